@@ -1,0 +1,51 @@
+# Everything bootstraps itself: `make test` and `make lab` create .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.bootstrapped
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export PYTHONHASHSEED := 0
+
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
+.PHONY: help test test-fast lab notebooks figures bench lock clean
+
+help:
+	@echo "make test       bootstrap .venv, run unit/property tests and every notebook (nbval, strict)"
+	@echo "make lab        bootstrap .venv, start JupyterLab on notebooks/ at 127.0.0.1:8888"
+	@echo "make notebooks  re-execute every notebook in place (commit the outputs)"
+	@echo "make figures    regenerate figures/ from the package"
+	@echo "make bench      run the CPU benchmarks in benchmarks/"
+
+# Pinned installs: requirements-lock.txt constrains every package, torch included (the
+# CPU wheel on a CPU machine). The stamp makes a second run install nothing.
+$(STAMP): pyproject.toml requirements-lock.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -c requirements-lock.txt -e ".[dev]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests notebooks --nbval --nbval-current-env \
+		--nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests -x -q -p no:cacheprovider
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab --notebook-dir=notebooks --ServerApp.ip=127.0.0.1 --no-browser $(ROOT_FLAG)
+
+notebooks: $(STAMP)
+	$(BIN)/python tools/execute_notebooks.py notebooks/*.ipynb
+
+figures: $(STAMP)
+	$(BIN)/python tools/make_figures.py
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/block_manager_ops.py
+
+lock: $(STAMP)
+	$(BIN)/pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu/torch==\1/' | sort -f > requirements-lock.txt
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,52 @@
+"""A physical KV-cache block: the unit the BlockManager hands out (chapter 01).
+
+A block is a fixed-size slot in the KV cache that holds the keys and values of
+``block_size`` tokens. This object is only its *bookkeeping*: the KV tensors live in the
+ModelRunner (chapter 06), which finds a block's memory by its ``block_id``.
+"""
+from __future__ import annotations
+
+
+class Block:
+    """Metadata of one physical block.
+
+    ``ref_count`` tells the block's state: 0 = free, 1 = held by one sequence,
+    >1 = shared by several sequences (a common prefix). ``hash`` is the content
+    fingerprint under which the block is registered for prefix caching (-1 = not
+    registered); ``token_ids`` are the tokens it holds, kept to confirm a hash hit.
+    """
+
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1
+        self.token_ids: list[int] = []
+
+    def update(self, hash: int, token_ids: list[int]) -> None:
+        """Register the block's content: its chained hash and the tokens it holds."""
+        self.hash = hash
+        self.token_ids = list(token_ids)
+
+    def reset(self) -> None:
+        """Prepare the block for new content.
+
+        ``ref_count`` becomes 1, not 0: the only caller hands the block to a sequence at
+        once, so the block is never observed "allocated but unowned".
+        """
+        self.ref_count = 1
+        self.hash = -1
+        self.token_ids = []
+
+    @property
+    def is_free(self) -> bool:
+        return self.ref_count == 0
+
+    @property
+    def is_shared(self) -> bool:
+        return self.ref_count > 1
+
+    def __repr__(self) -> str:
+        return (f"Block(block_id={self.block_id}, ref_count={self.ref_count}, "
+                f"hash={self.hash}, token_ids={self.token_ids})")
