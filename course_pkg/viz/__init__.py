@@ -1,5 +1,8 @@
 """See the KV-cache bookkeeping: snapshots, text, figures, a recorder and a stepper."""
 from course_pkg.viz.notebook import check, show_source
 from course_pkg.viz.snapshot import BlockState, Snapshot, render_text, short_hash, take_snapshot
+from course_pkg.viz.draw import draw_snapshot, draw_steps, figure_png, show
+from course_pkg.viz.recorder import Recorder, WatchedBlockManager
 
-__all__ = ["check", "show_source", "BlockState", "Snapshot", "render_text", "short_hash", "take_snapshot"]
+__all__ = ["check", "show_source", "BlockState", "Snapshot", "render_text", "short_hash", "take_snapshot",
+           "draw_snapshot", "draw_steps", "figure_png", "show", "Recorder", "WatchedBlockManager"]
