@@ -50,7 +50,7 @@ class Stepper(widgets.VBox):
         self.figure = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
 
         # Play drives the slider in the browser itself, so it runs even while the kernel is busy.
-        widgets.jslink((self.play, "value"), (self.slider, "value"))
+        self.play_link = widgets.jslink((self.play, "value"), (self.slider, "value"))
         self.prev_button.on_click(lambda _: self.go(self.slider.value - 1))
         self.next_button.on_click(lambda _: self.go(self.slider.value + 1))
         self.slider.observe(self._on_index, names="value")
