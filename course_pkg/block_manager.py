@@ -13,6 +13,14 @@ all of the state:
 Invariants (tested after every call): free and used partition all blocks; a block is in
 the free queue at most once; the sum of ref counts equals the number of block-table
 entries of live sequences; every index entry points at a block that carries that hash.
+
+The free queue is a ``deque`` by default (chapters 02-03). ``free_queue="linked"`` swaps in
+the doubly linked ``FreeBlockQueue`` (chapter 03), which removes a revived block from the
+middle in O(1) and hands out the very same block ids.
+
+Statistics, named as vLLM names them: ``prefix_cache_stats`` counts prefix-cache
+``queries`` and ``hits`` in tokens, per admitted request, with the hit rate over all
+requests and over the most recent ones; ``kv_cache_usage`` is the fraction of blocks in use.
 """
 from __future__ import annotations
 
@@ -22,7 +30,10 @@ from collections import deque
 import xxhash
 
 from course_pkg.block import Block
+from course_pkg.free_block_queue import FreeBlockQueue
 from course_pkg.sequence import Sequence
+
+FREE_QUEUES = ("deque", "linked")
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -42,19 +53,73 @@ def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
     return h.intdigest()
 
 
+class PrefixCacheStats:
+    """Prefix-cache lookups counted in tokens, as vLLM counts them.
+
+    Each admitted request adds its ``queries`` (all its tokens at admission) and its
+    ``hits`` (the tokens found in the cache). ``hit_rate`` is hits / queries over every
+    request so far; ``recent_hit_rate`` over the last ``max_recent_requests`` requests only
+    (vLLM's ``PrefixCachingMetrics`` window, 1000 by default), which follows a changing
+    workload where the all-time rate lags behind.
+    """
+
+    def __init__(self, max_recent_requests: int = 1000):
+        if not isinstance(max_recent_requests, int) or max_recent_requests < 1:
+            raise ValueError(f"max_recent_requests must be an integer >= 1, got {max_recent_requests!r}")
+        self.max_recent_requests = max_recent_requests
+        self.requests = 0
+        self.queries = 0
+        self.hits = 0
+        self.recent: deque[tuple[int, int]] = deque(maxlen=max_recent_requests)  # (queries, hits)
+        self._recent_queries = 0
+        self._recent_hits = 0
+
+    def record(self, queries: int, hits: int) -> None:
+        """Count one request that asked for ``queries`` tokens and found ``hits`` of them."""
+        if len(self.recent) == self.max_recent_requests:
+            old_queries, old_hits = self.recent[0]  # about to fall out of the window
+            self._recent_queries -= old_queries
+            self._recent_hits -= old_hits
+        self.recent.append((queries, hits))
+        self._recent_queries += queries
+        self._recent_hits += hits
+        self.requests += 1
+        self.queries += queries
+        self.hits += hits
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    @property
+    def recent_hit_rate(self) -> float:
+        return self._recent_hits / self._recent_queries if self._recent_queries else 0.0
+
+    def __repr__(self) -> str:
+        return (f"PrefixCacheStats(requests={self.requests}, queries={self.queries}, "
+                f"hits={self.hits}, hit_rate={self.hit_rate:.3f}, recent_hit_rate={self.recent_hit_rate:.3f})")
+
+
 class BlockManager:
     """Hands out fixed-size KV blocks to sequences, with prefix caching by content hash."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 free_queue: str = "deque", max_recent_requests: int = 1000):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if free_queue not in FREE_QUEUES:
+            raise ValueError(f"free_queue must be one of {FREE_QUEUES}, got {free_queue!r}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.free_queue = free_queue
         self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        # Both kinds offer popleft / append / remove / len / iteration head -> tail.
+        self.free_block_ids: deque[int] | FreeBlockQueue = (
+            deque(range(num_blocks)) if free_queue == "deque" else FreeBlockQueue(num_blocks))
         self.used_block_ids: set[int] = set()
         self.hash_to_block_id: dict[int, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats(max_recent_requests)
 
     # The hash function is reachable from the manager, as in Nano-vLLM.
     compute_hash = staticmethod(compute_hash)
@@ -66,6 +131,12 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of blocks held by sequences (vLLM's ``kv_cache_usage``); free-but-cached
+        blocks count as free."""
+        return len(self.used_block_ids) / len(self.blocks)
 
     # ---------------------------------------------------------------- internals
 
@@ -131,8 +202,12 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_cached_blocks: int = 0) -> None:
         """Give ``seq`` a block table for all its tokens, reusing ``num_cached_blocks`` cached blocks.
 
-        ``num_cached_blocks`` is what ``can_allocate`` returned (or fewer). New blocks are not
-        registered in the index here: their K/V are not computed yet (see ``hash_blocks``).
+        ``num_cached_blocks`` is what ``can_allocate`` returned (or fewer -- but fewer hits
+        mean more fresh blocks, which may not fit: then ``NoFreeBlocksError`` is raised and
+        nothing changes). New blocks are not registered in the index here: their K/V are not
+        computed yet (see ``hash_blocks``). The request's prefix-cache query and hits are
+        counted in ``prefix_cache_stats`` (also when caching is off, with zero hits, so that
+        runs with and without caching compare).
         """
         self._check_block_size(seq)
         if seq.block_table:
@@ -160,6 +235,7 @@ class BlockManager:
             seq.block_table.append(self._allocate_block().block_id)
         seq.block_hashes = hashes[:num_cached_blocks]
         seq.num_cached_tokens = num_cached_blocks * self.block_size
+        self.prefix_cache_stats.record(seq.num_tokens, seq.num_cached_tokens)
 
     def can_append(self, seq: Sequence) -> bool:
         """Can ``seq`` get the blocks its newest token needs? (True when it needs none.)"""

@@ -1,0 +1,118 @@
+"""An O(1) free block queue: a doubly linked list threaded through the block ids (chapter 03).
+
+The BlockManager's free queue needs four operations: take the head (``popleft``), release to
+the tail (``append``), count (``len``) -- and, when a prefix-cache hit revives a block that
+is free but still cached, take that block out of the *middle* (``remove``). A ``deque`` does
+the first three in O(1) but ``deque.remove`` scans from the head, O(n) in the queue length:
+with 100k+ free blocks every revival walks a long way.
+
+``FreeBlockQueue`` keeps, per block id, the id of the block before it and after it
+(``prev``/``next``), as vLLM v1's ``FreeKVCacheBlockQueue`` keeps links on each block. A
+removal just joins the two neighbours: O(1) wherever the block sits. The order of the
+queue -- and so every block id the BlockManager hands out -- is the same as with a deque.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+_NONE = -1  # "no link": the block is not in the queue
+
+
+class FreeBlockQueue:
+    """Free block ids in FIFO order, with O(1) ``popleft``, ``append`` and ``remove``.
+
+    Block ids are ``0 .. num_blocks - 1``. Two sentinel nodes, ``head`` (id ``num_blocks``)
+    and ``tail`` (id ``num_blocks + 1``), are always linked, so no operation needs a special
+    case for an empty queue or an end. Invariant: ``_prev[b] == _NONE`` exactly when block
+    ``b`` is not in the queue; following ``_next`` from the head visits every queued block
+    once, in queue order, and ends at the tail.
+    """
+
+    __slots__ = ("num_blocks", "_head", "_tail", "_prev", "_next", "_len")
+
+    def __init__(self, num_blocks: int, block_ids: Iterable[int] | None = None):
+        """A queue over ids ``0 .. num_blocks - 1`` holding ``block_ids`` in that order
+        (all ids in ascending order when ``block_ids`` is None, like ``deque(range(n))``)."""
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
+            raise ValueError(f"num_blocks must be an integer >= 0, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._head = num_blocks
+        self._tail = num_blocks + 1
+        self._prev = [_NONE] * (num_blocks + 2)
+        self._next = [_NONE] * (num_blocks + 2)
+        self._next[self._head] = self._tail
+        self._prev[self._tail] = self._head
+        self._len = 0
+        if block_ids is None:
+            self._link_all_in_order()
+        else:
+            for block_id in block_ids:
+                self.append(block_id)
+
+    def _link_all_in_order(self) -> None:
+        # The common start (every block free, ascending), built in one pass.
+        n = self.num_blocks
+        if n == 0:
+            return
+        self._next[:n] = range(1, n + 1)
+        self._prev[:n] = range(-1, n - 1)
+        self._prev[0] = self._head
+        self._next[n - 1] = self._tail
+        self._next[self._head] = 0
+        self._prev[self._tail] = n - 1
+        self._len = n
+
+    def _check_id(self, block_id: int) -> None:
+        if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"block id {block_id!r} is not in 0..{self.num_blocks - 1}")
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __contains__(self, block_id: object) -> bool:
+        return isinstance(block_id, int) and 0 <= block_id < self.num_blocks and self._prev[block_id] != _NONE
+
+    def __iter__(self) -> Iterator[int]:
+        """Block ids from head (allocated next) to tail (freed most recently)."""
+        nxt = self._next
+        b = nxt[self._head]
+        while b != self._tail:
+            yield b
+            b = nxt[b]
+
+    def __repr__(self) -> str:
+        return f"FreeBlockQueue({list(self)})"
+
+    def popleft(self) -> int:
+        """Remove and return the block at the head (freed longest ago)."""
+        if self._len == 0:
+            raise IndexError("pop from an empty FreeBlockQueue")
+        block_id = self._next[self._head]
+        self._unlink(block_id)
+        return block_id
+
+    def append(self, block_id: int) -> None:
+        """Put ``block_id`` at the tail (it becomes the most recently freed)."""
+        self._check_id(block_id)
+        if self._prev[block_id] != _NONE:
+            raise ValueError(f"block {block_id} is already in the free queue")
+        last = self._prev[self._tail]
+        self._next[last] = block_id
+        self._prev[block_id] = last
+        self._next[block_id] = self._tail
+        self._prev[self._tail] = block_id
+        self._len += 1
+
+    def remove(self, block_id: int) -> None:
+        """Take ``block_id`` out of the queue wherever it is: O(1), unlike ``deque.remove``."""
+        self._check_id(block_id)
+        if self._prev[block_id] == _NONE:
+            raise ValueError(f"block {block_id} is not in the free queue")
+        self._unlink(block_id)
+
+    def _unlink(self, block_id: int) -> None:
+        before, after = self._prev[block_id], self._next[block_id]
+        self._next[before] = after
+        self._prev[after] = before
+        self._prev[block_id] = self._next[block_id] = _NONE
+        self._len -= 1
