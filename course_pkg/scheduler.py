@@ -41,24 +41,18 @@ def _positive_int(name: str, value) -> int:
 class SchedulerStats:
     """Counters since the scheduler was created, named after vLLM's metrics.
 
-    ``prefix_cache_queries`` / ``prefix_cache_hits`` count *tokens*: every time a sequence is
-    admitted from ``waiting`` its ``num_tokens`` are queried and its cache-hit tokens counted
-    (a preempted sequence is admitted, and counted, again). ``prefill_kv_computed_tokens`` is
-    what prefill steps actually computed: the tokens the cache did not provide.
+    ``prefill_kv_computed_tokens`` is what prefill steps actually computed: the tokens the
+    prefix cache did not provide (a preempted sequence's recomputation included). The
+    prefix-cache queries and hits themselves are counted by the BlockManager
+    (``block_manager.prefix_cache_stats``), once per admission.
     """
 
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     prefill_kv_computed_tokens: int = 0
     num_prefill_steps: int = 0
     num_decode_steps: int = 0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class Scheduler:
@@ -67,12 +61,13 @@ class Scheduler:
     def __init__(self, num_kvcache_blocks: int, block_size: int = 16, *,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 eos_token_id: int | Iterable[int] | None = None):
+                 eos_token_id: int | Iterable[int] | None = None, free_queue: str = "deque"):
         _positive_int("max_num_seqs", max_num_seqs)
         _positive_int("max_num_batched_tokens", max_num_batched_tokens)
         if max_model_len is not None:
             _positive_int("max_model_len", max_model_len)
-        self.block_manager = BlockManager(num_kvcache_blocks, block_size, enable_prefix_caching)
+        self.block_manager = BlockManager(num_kvcache_blocks, block_size, enable_prefix_caching,
+                                          free_queue=free_queue)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -86,6 +81,7 @@ class Scheduler:
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self.preempted: list[Sequence] = []  # sent back to waiting by the latest schedule()
         self.stats = SchedulerStats()
 
     # ---------------------------------------------------------------- requests
@@ -101,7 +97,13 @@ class Scheduler:
         return (final_len - 1 + self.block_size - 1) // self.block_size
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new request, or raise if it can never run (and queue nothing).
+        """Queue a new request, or raise if it can never run (and queue nothing)."""
+        self.check(seq)
+        self.waiting.append(seq)
+        self.stats.prompt_tokens += seq.num_prompt_tokens
+
+    def check(self, seq: Sequence) -> None:
+        """Raise ``ValueError`` if ``seq`` cannot be added; change nothing either way.
 
         A sequence that needs more blocks than the whole pool would preempt itself forever,
         so it is refused here instead of looping in ``schedule``.
@@ -125,8 +127,6 @@ class Scheduler:
                 f"tokens) plus up to {seq.max_tokens} generated tokens need {needed} blocks of "
                 f"{self.block_size} tokens, the pool has {self.block_manager.num_blocks}; "
                 f"use a larger pool, a shorter prompt or a smaller max_tokens")
-        self.waiting.append(seq)
-        self.stats.prompt_tokens += seq.num_prompt_tokens
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -137,8 +137,10 @@ class Scheduler:
         """Choose the sequences of the next step: ``(seqs, is_prefill)``.
 
         Each chosen sequence has ``num_scheduled_tokens`` set: it computes tokens
-        ``[num_cached_tokens, num_cached_tokens + num_scheduled_tokens)``.
+        ``[num_cached_tokens, num_cached_tokens + num_scheduled_tokens)``. Sequences preempted
+        on the way are listed in ``self.preempted``.
         """
+        self.preempted = []
         scheduled = self._schedule_prefill()
         if scheduled:
             self.stats.num_prefill_steps += 1
@@ -161,9 +163,7 @@ class Scheduler:
                 num_cached_blocks = bm.can_allocate(seq)
                 if num_cached_blocks == -1:  # first come, first served: no overtaking
                     break
-                bm.allocate(seq, num_cached_blocks)
-                self.stats.prefix_cache_queries += seq.num_tokens
-                self.stats.prefix_cache_hits += seq.num_cached_tokens
+                bm.allocate(seq, num_cached_blocks)  # counts prefix-cache queries and hits
             num_new_tokens = seq.num_tokens - seq.num_cached_tokens
             seq.num_scheduled_tokens = min(num_new_tokens, self.max_num_batched_tokens - num_batched_tokens)
             num_batched_tokens += seq.num_scheduled_tokens
@@ -201,6 +201,7 @@ class Scheduler:
         seq.num_scheduled_tokens = 0
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
+        self.preempted.append(seq)
         self.stats.num_preemptions += 1
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int | None]) -> list[Sequence]:
@@ -237,11 +238,3 @@ class Scheduler:
         if seq.num_completion_tokens >= seq.max_tokens:
             return True
         return self.max_model_len is not None and seq.num_tokens >= self.max_model_len
-
-    # ---------------------------------------------------------------- reading the state
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """Fraction of the pool's blocks held by live sequences (vLLM's ``kv_cache_usage_perc``)."""
-        bm = self.block_manager
-        return len(bm.used_block_ids) / bm.num_blocks

@@ -1,0 +1,73 @@
+"""``LLM``: the offline entry point, ``LLM(model).generate(prompts, sampling_params)`` (chapter 06).
+
+As in vLLM and Nano-vLLM, ``generate`` takes a batch of prompts, runs engine steps until every
+one has finished, and returns one output per prompt, in the order of the prompts -- even
+though requests finish in another order, batched together with whatever else is running.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+
+from course_pkg.engine.llm_engine import LLMEngine, RequestOutput
+from course_pkg.sampling_params import SamplingParams
+
+
+def _as_prompt_list(prompts) -> list:
+    """One prompt (text, or a list of token ids) or a list of prompts -> a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, SequenceABC):
+        raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; "
+                        f"got {type(prompts).__name__}")
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [list(prompts)]                      # a single prompt given as token ids
+    return list(prompts)
+
+
+class LLM(LLMEngine):
+    """``LLM(model=None, block_size=16, num_kvcache_blocks=..., enable_prefix_caching=True, ...)``.
+
+    ``model=None`` loads the tiny default model that ships with the package; a path to a
+    Hugging Face Qwen3 checkpoint folder (e.g. Qwen3-0.6B) loads that one. All keyword
+    arguments are :class:`LLMEngine`'s.
+    """
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; returns their outputs in prompt order.
+
+        Every prompt is validated before any is queued, so a bad prompt raises
+        ``ValueError`` and leaves the engine exactly as it was.
+        """
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        elif len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        seqs = []
+        for i, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
+            try:
+                seqs.append(self.make_sequence(prompt, sp))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+        ids = [self._add(seq, prompt) for seq, prompt in zip(seqs, prompts)]
+        pending = set(ids)
+        outputs: dict[int, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True)
+        try:
+            while pending:
+                for out in self.step():
+                    if out.request_id in pending:
+                        pending.discard(out.request_id)
+                        outputs[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [outputs[i] for i in ids]

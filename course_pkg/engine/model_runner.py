@@ -1,0 +1,205 @@
+"""The ModelRunner: owns the KV cache tensor and turns a scheduled step into one forward pass.
+
+The BlockManager hands out block *numbers*; this is where they become memory. At start-up
+the runner allocates **one** tensor for the whole cache,
+``[2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim]``, sized from a
+memory budget, and never allocates KV memory again: a block id is an index into it.
+
+For every step it builds the flat batch the model runs (see ``course_pkg.models``):
+
+* ``input_ids`` / ``positions``: for each scheduled sequence, its tokens
+  ``[num_cached_tokens, num_cached_tokens + num_scheduled_tokens)`` -- a whole prompt, a chunk
+  of one, the part a prefix-cache hit did not cover, or the newest token when decoding;
+* ``slot_mapping``: where each of those tokens' K/V is written. Token ``t`` of a sequence goes
+  to block ``block_table[t // block_size]`` at offset ``t % block_size``, slot
+  ``block_id * block_size + offset``;
+* ``block_tables`` (padded with -1), ``context_lens`` (cached + new tokens) and
+  ``cu_seqlens_q``, which the attention reads the cache with.
+
+Only sequences whose step reaches their last token produce logits and a sampled token; a
+chunk in the middle of a prompt only fills the cache.
+"""
+from __future__ import annotations
+
+import torch
+
+from course_pkg.engine.sampler import Sampler
+from course_pkg.models import AttentionMetadata
+from course_pkg.sequence import Sequence
+
+#: KV cache budget on a CPU when neither a block count nor a byte budget is given.
+DEFAULT_CPU_KV_CACHE_BYTES = 256 * 2**20
+
+
+def resolve_backend(attention_backend: str, device: torch.device) -> str:
+    """``auto`` means the Triton kernels on CUDA and the pure-torch path elsewhere."""
+    if attention_backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if attention_backend not in ("torch", "triton", "reference"):
+        raise ValueError(f"attention_backend must be 'auto', 'torch', 'triton' or 'reference', "
+                         f"got {attention_backend!r}")
+    return attention_backend
+
+
+class ModelRunner:
+    """Runs the model over the paged KV cache and samples; knows nothing of scheduling."""
+
+    def __init__(self, model, config, *, block_size: int = 16, num_kvcache_blocks: int | None = None,
+                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
+                 attention_backend: str = "auto", max_num_batched_tokens: int = 8192,
+                 max_model_len: int | None = None, seed: int = 0):
+        param = next(model.parameters())
+        self.model = model
+        self.config = config
+        self.device = param.device
+        self.dtype = param.dtype
+        self.block_size = block_size
+        self.attention_backend = resolve_backend(attention_backend, self.device)
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.vocab_size = config.vocab_size
+        self.sampler = Sampler(seed, self.device)
+        if num_kvcache_blocks is None:
+            num_kvcache_blocks = self._blocks_from_budget(kv_cache_memory_bytes, gpu_memory_utilization,
+                                                          max_num_batched_tokens, max_model_len)
+        if not isinstance(num_kvcache_blocks, int) or isinstance(num_kvcache_blocks, bool) or num_kvcache_blocks < 1:
+            raise ValueError(f"num_kvcache_blocks must be an integer >= 1, got {num_kvcache_blocks!r}")
+        self.num_kvcache_blocks = num_kvcache_blocks
+        self.kv_cache = torch.zeros(2, self.num_layers, num_kvcache_blocks, block_size, self.num_kv_heads,
+                                    self.head_dim, dtype=self.dtype, device=self.device)
+        # Per layer, (k_cache, v_cache): views into the one tensor, no copies.
+        self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(self.num_layers)]
+
+    # ---------------------------------------------------------------- sizing the cache
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers: K and V, ``block_size`` tokens each."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    def _blocks_from_budget(self, kv_cache_memory_bytes, gpu_memory_utilization,
+                            max_num_batched_tokens, max_model_len) -> int:
+        if kv_cache_memory_bytes is not None:
+            budget, source = kv_cache_memory_bytes, f"kv_cache_memory_bytes={kv_cache_memory_bytes}"
+        elif self.device.type == "cuda":
+            budget = self._cuda_budget(gpu_memory_utilization, max_num_batched_tokens, max_model_len)
+            source = f"gpu_memory_utilization={gpu_memory_utilization}"
+        else:
+            budget, source = DEFAULT_CPU_KV_CACHE_BYTES, f"the default CPU budget of {DEFAULT_CPU_KV_CACHE_BYTES} bytes"
+        num_blocks = int(budget // self.block_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"{source} leaves room for no KV block ({self.block_bytes} bytes each)")
+        return num_blocks
+
+    def _cuda_budget(self, utilization: float, max_num_batched_tokens: int, max_model_len) -> int:
+        """What ``utilization`` of the GPU leaves for the cache after weights and activations.
+
+        A warm-up forward pass over a full token budget measures the activations' peak; the
+        cache gets ``total * utilization`` minus what is in use now and minus that peak.
+        """
+        if not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.warmup(max_num_batched_tokens, max_model_len)
+        free, total = torch.cuda.mem_get_info(self.device)
+        stats = torch.cuda.memory_stats(self.device)
+        activation_peak = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+        return int(total * utilization - (total - free) - activation_peak)
+
+    @torch.inference_mode()
+    def warmup(self, num_tokens: int, max_model_len: int | None = None) -> None:
+        """One forward pass over ``num_tokens`` prompt tokens, without a cache."""
+        seq_len = min(num_tokens, max_model_len or num_tokens)
+        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        attn = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
+            block_tables=torch.full((len(lens), 1), -1, dtype=torch.int32, device=self.device),
+            context_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=self.device),
+            max_q_len=max(lens), max_context_len=max(lens), backend=self.attention_backend)
+        hidden = self.model(ids, positions, attn, None)
+        self.model.compute_logits(hidden[torch.tensor(cu[1:], device=self.device) - 1])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---------------------------------------------------------------- one step
+
+    def prepare(self, seqs: list[Sequence]):
+        """The flat batch of one step: ``(input_ids, positions, attn, logits_rows, sample_seqs)``.
+
+        ``logits_rows[j]`` is the row of the last token of ``sample_seqs[j]`` -- the sequences
+        whose step reaches their last token and so need a sampled token.
+        """
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        cu_seqlens_q = [0]
+        context_lens: list[int] = []
+        logits_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        for seq in seqs:
+            start = seq.num_cached_tokens
+            end = start + seq.num_scheduled_tokens
+            if not 0 <= start < end <= seq.num_tokens:
+                raise ValueError(f"sequence {seq.seq_id}: cannot compute tokens [{start}, {end}) "
+                                 f"of {seq.num_tokens}")
+            if len(seq.block_table) * bs < end:
+                raise ValueError(f"sequence {seq.seq_id}: {len(seq.block_table)} blocks cannot hold "
+                                 f"{end} tokens of block_size {bs}")
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            # Slots block by block: a run of consecutive slots inside each physical block.
+            for i in range(start // bs, (end - 1) // bs + 1):
+                first = max(start, i * bs)
+                last = min(end, (i + 1) * bs)
+                base = seq.block_table[i] * bs - i * bs
+                slot_mapping.extend(range(base + first, base + last))
+            cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
+            context_lens.append(end)
+            if end == seq.num_tokens:
+                logits_rows.append(cu_seqlens_q[-1] - 1)
+                sample_seqs.append(seq)
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+        block_tables = [seq.block_table + [-1] * (max_blocks - len(seq.block_table)) for seq in seqs]
+        to = dict(device=self.device, non_blocking=True)
+        pin = self.device.type == "cuda"
+
+        def tensor(data, dtype):
+            return torch.tensor(data, dtype=dtype, pin_memory=pin).to(**to)
+
+        attn = AttentionMetadata(
+            slot_mapping=tensor(slot_mapping, torch.long),
+            block_tables=tensor(block_tables, torch.int32),
+            context_lens=tensor(context_lens, torch.int32),
+            cu_seqlens_q=tensor(cu_seqlens_q, torch.int32),
+            max_q_len=max(b - a for a, b in zip(cu_seqlens_q, cu_seqlens_q[1:])),
+            max_context_len=max(context_lens),
+            backend=self.attention_backend,
+        )
+        return (tensor(input_ids, torch.long), tensor(positions, torch.long), attn,
+                tensor(logits_rows, torch.long), sample_seqs)
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> list[int | None]:
+        """Compute the scheduled tokens of ``seqs``; one sampled token per sequence, or None
+        for a sequence that computed only a chunk of its prompt."""
+        if not seqs:
+            return []
+        input_ids, positions, attn, logits_rows, sample_seqs = self.prepare(seqs)
+        hidden = self.model(input_ids, positions, attn, self.kv_caches)
+        tokens = self.sampler(self.model.compute_logits(hidden[logits_rows]), sample_seqs) if sample_seqs else []
+        by_seq = {id(seq): t for seq, t in zip(sample_seqs, tokens)}
+        return [by_seq.get(id(seq)) for seq in seqs]

@@ -1,0 +1,84 @@
+"""The sampler: one next token per sequence from its logits (chapter 06).
+
+* ``temperature == 0`` is greedy: the arg-max, ties to the lowest token id (as ``torch.argmax``
+  and Hugging Face's greedy search break them);
+* otherwise the logits are divided by the temperature and turned into probabilities;
+* ``top_p < 1`` keeps the smallest set of most likely tokens whose probability reaches
+  ``top_p`` (the "nucleus") and drops the rest;
+* the token is drawn with the *exponential race*: ``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d.
+  per token picks token ``i`` with probability ``p_i / sum(p)`` -- a categorical sample that
+  needs neither normalisation nor ``multinomial``, and runs for a whole batch at once.
+
+Randomness is seeded: the engine's generator (``seed``) serves every request, and a request
+with ``SamplingParams(seed=...)`` gets a generator of its own, so its tokens do not depend on
+which other requests share its batches.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from course_pkg.sequence import Sequence
+
+
+def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero the probabilities outside each row's nucleus (``top_p``: ``[n]``); rows unnormalised.
+
+    A token is kept when the probability mass of the tokens ranked before it is still below
+    ``top_p``, so the most likely token is always kept.
+    """
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p.unsqueeze(1), 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+class Sampler:
+    """Greedy, temperature and top-p sampling for a batch of sequences, seeded."""
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # A request with its own seed keeps its generator for its whole life (preemption
+        # included); weak keys let it go when the sequence is dropped.
+        self._seq_generators: weakref.WeakKeyDictionary[Sequence, torch.Generator] = weakref.WeakKeyDictionary()
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        seed = seq.sampling_params.seed
+        if seed is None:
+            return self.generator
+        gen = self._seq_generators.get(seq)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+            self._seq_generators[seq] = gen
+        return gen
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """``logits``: ``[len(seqs), vocab]``; returns one token id per sequence."""
+        if logits.shape[0] != len(seqs):
+            raise ValueError(f"{logits.shape[0]} rows of logits for {len(seqs)} sequences")
+        if not seqs:
+            return []
+        logits = logits.float()
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, s in enumerate(seqs) if s.temperature > 0]
+        if sampled:
+            rows = torch.tensor(sampled, device=logits.device)
+            temperature = torch.tensor([seqs[i].temperature for i in sampled], device=logits.device)
+            probs = torch.softmax(logits[rows] / temperature.unsqueeze(1), dim=-1)
+            top_p = [seqs[i].sampling_params.top_p for i in sampled]
+            if any(p < 1.0 for p in top_p):
+                probs = top_p_filter(probs, torch.tensor(top_p, device=logits.device))
+            noise = torch.empty_like(probs)
+            shared = [j for j, i in enumerate(sampled) if seqs[i].sampling_params.seed is None]
+            if shared:
+                noise[shared] = torch.empty((len(shared), probs.shape[1]), device=probs.device).exponential_(
+                    generator=self.generator)
+            for j, i in enumerate(sampled):
+                if seqs[i].sampling_params.seed is not None:
+                    noise[j].exponential_(generator=self._generator(seqs[i]))
+            # (clamped: a zero draw would turn a filtered 0 / 0 into NaN)
+            tokens[rows] = (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)
+        return tokens.tolist()
