@@ -104,10 +104,13 @@ def _decode_batched(q, k_cache, v_cache, block_tables, context_lens, scale):
     num_blocks = (max_ctx + block_size - 1) // block_size
     tables = block_tables[:, :num_blocks].long().clamp_min(0)        # -1 padding -> any block
     batch = q.shape[0]
-    k = k_cache[tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)    # [B, kv_heads, ctx, dim]
-    v = v_cache[tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)
     valid = torch.arange(max_ctx, device=q.device) < context_lens.unsqueeze(1)   # [B, ctx]
-    out = F.scaled_dot_product_attention(
+    # Slots past a context hold whatever the pool held (an empty tensor may even hold NaN):
+    # masking the scores is not enough, since softmax weight 0 times NaN is still NaN.
+    invalid = ~valid[:, :, None, None]
+    k = k_cache[tables].flatten(1, 2)[:, :max_ctx].masked_fill_(invalid, 0).transpose(1, 2)
+    v = v_cache[tables].flatten(1, 2)[:, :max_ctx].masked_fill_(invalid, 0).transpose(1, 2)
+    out = F.scaled_dot_product_attention(                              # k, v: [B, kv_heads, ctx, dim]
         q.unsqueeze(2).to(k.dtype), k, v, attn_mask=valid[:, None, None, :], scale=scale,
         enable_gqa=True)                                                    # [B, heads, 1, dim]
     return out.reshape(batch, q.shape[1], q.shape[2]).to(q.dtype)
