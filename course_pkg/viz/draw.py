@@ -69,9 +69,9 @@ class _Layout:
         names = [name for name, _ in snap.block_tables]
         self.name_w = max([1.2] + [0.28 * len(name) + 0.6 for name in names])
         max_len = max([0] + [len(t) for _, t in snap.block_tables])
-        self.tables_w = max(4.5, self.name_w + max_len * 1.0)
+        self.tables_w = max(5.2, self.name_w + max_len * 1.0)
         self.pool_x = self.tables_w + 1.2
-        self.pool_w = self.ncols * 1.0
+        self.pool_w = max(self.ncols * 1.0, 6.8)   # at least as wide as its heading
         self.index_x = self.pool_x + self.pool_w + 1.0
         self.index_w = 7.0
         self.top = -1.4                       # first row of tables and pool
@@ -135,7 +135,8 @@ def _draw_into(ax, snap: Snapshot, layout: _Layout, title: str | None) -> None:
                     bbox=dict(facecolor="white", edgecolor="none", pad=0.5))
         if b.hash != -1:
             ax.text(x + 0.45, y + 0.14, short_hash(b.hash), fontsize=8, va="center", ha="center",
-                    family="monospace", color="#333333", zorder=3)
+                    family="monospace", color="#333333", zorder=3,
+                    bbox=dict(facecolor="white", edgecolor="none", pad=0.3) if state == "cached" else None)
         if b.block_id in owners:
             ax.text(x + 0.86, y + 0.8, ",".join(owners[b.block_id]), fontsize=8.5, va="center",
                     ha="right", color="#222222", zorder=3)
