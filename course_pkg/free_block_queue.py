@@ -10,9 +10,15 @@ with 100k+ free blocks every revival walks a long way.
 (``prev``/``next``), as vLLM v1's ``FreeKVCacheBlockQueue`` keeps links on each block. A
 removal just joins the two neighbours: O(1) wherever the block sits. The order of the
 queue -- and so every block id the BlockManager hands out -- is the same as with a deque.
+
+The links live in two arrays of machine integers (``array("q")``) rather than lists: an
+array stores the numbers themselves, a list stores pointers to int objects elsewhere in
+memory. With a million blocks almost every access misses the CPU cache, and the array
+saves one miss per link read (the benchmark measures it: benchmarks/block_manager_ops.py).
 """
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Iterator
 
 _NONE = -1  # "no link": the block is not in the queue
@@ -38,8 +44,8 @@ class FreeBlockQueue:
         self.num_blocks = num_blocks
         self._head = num_blocks
         self._tail = num_blocks + 1
-        self._prev = [_NONE] * (num_blocks + 2)
-        self._next = [_NONE] * (num_blocks + 2)
+        self._prev = array("q", [_NONE]) * (num_blocks + 2)
+        self._next = array("q", [_NONE]) * (num_blocks + 2)
         self._next[self._head] = self._tail
         self._prev[self._tail] = self._head
         self._len = 0
@@ -54,8 +60,8 @@ class FreeBlockQueue:
         n = self.num_blocks
         if n == 0:
             return
-        self._next[:n] = range(1, n + 1)
-        self._prev[:n] = range(-1, n - 1)
+        self._next[:n] = array("q", range(1, n + 1))
+        self._prev[:n] = array("q", range(-1, n - 1))
         self._prev[0] = self._head
         self._next[n - 1] = self._tail
         self._next[self._head] = 0
