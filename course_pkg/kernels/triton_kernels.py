@@ -118,15 +118,15 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _kv_row_offsets(block_table_row_ptr, pos, pos_valid, block_size, stride_b, stride_s):
-    """Element offsets of the K (or V) rows of context positions ``pos`` in the cache.
+def _block_and_offset(block_table_row_ptr, pos, pos_valid, block_size):
+    """Where context positions ``pos`` live: (physical block, offset inside the block).
 
-    Position ``t`` lives in physical block ``block_table[t // block_size]`` at offset
+    Position ``t`` lives in block ``block_table[t // block_size]`` at offset
     ``t % block_size``. Positions past the context are masked: the block table holds -1
-    there, and the cache has no such row.
+    there (or ends), and the cache has no such row.
     """
     block_id = tl.load(block_table_row_ptr + pos // block_size, mask=pos_valid, other=0)
-    return block_id.to(tl.int64) * stride_b + (pos % block_size).to(tl.int64) * stride_s
+    return block_id.to(tl.int64), (pos % block_size).to(tl.int64)
 
 
 @triton.jit
@@ -211,9 +211,10 @@ def _paged_attention_kernel(
         pos = start + tl.arange(0, BLOCK_N)
         pos_valid = pos < kv_hi
         kv_mask = pos_valid[:, None] & d_valid[None, :]
-        k_rows = _kv_row_offsets(block_table_row, pos, pos_valid, block_size, stride_kc_b, stride_kc_s)
+        block_id, offset = _block_and_offset(block_table_row, pos, pos_valid, block_size)
+        k_rows = block_id * stride_kc_b + offset * stride_kc_s
+        v_rows = block_id * stride_vc_b + offset * stride_vc_s
         k = tl.load(k_head + k_rows[:, None] + d[None, :] * stride_kc_d, mask=kv_mask, other=0.0)
-        v_rows = _kv_row_offsets(block_table_row, pos, pos_valid, block_size, stride_vc_b, stride_vc_s)
         v = tl.load(v_head + v_rows[:, None] + d[None, :] * stride_vc_d, mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
@@ -356,13 +357,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     max_q_len = max(q_lens, default=0)
     return launch_paged_attention(out, q, k_cache, v_cache, block_tables, context_lens,
                                   cu_seqlens_q, scale, max_q_len=max_q_len,
-                                  num_splits=_default_num_splits(q, k_cache, len(lens), max_q_len,
+                                  num_splits=choose_num_splits(q, k_cache, len(lens), max_q_len,
                                                                  max(lens, default=0)))
 
 
-def _default_num_splits(q, k_cache, num_seqs, max_q_len, max_context_len) -> int:
-    """Split long contexts only when the grid alone would leave a GPU idle (never when
-    interpreting: there is nothing to fill)."""
+def choose_num_splits(q, k_cache, num_seqs, max_q_len, max_context_len) -> int:
+    """How many KV splits ``paged_attention`` uses: split long contexts only when the grid
+    alone (sequences x KV heads x query tiles) would leave streaming multiprocessors idle;
+    never under the interpreter, where there is nothing to fill."""
     if INTERPRET or not q.is_cuda:
         return 1
     group = q.shape[1] // k_cache.shape[2]
