@@ -263,7 +263,12 @@ def test_png_is_deterministic_and_differs_between_states():
 def test_draw_steps_one_panel_per_snapshot():
     rec, *_ = shared_prefix_run()
     fig = draw_steps(rec.snapshots, ncols=2, title="run")
-    assert len(fig.axes) == len(rec.snapshots)
+    assert len(fig.axes) == len(rec.snapshots) + 1       # one panel per step, plus the shared legend
+    for k, snap in enumerate(rec.snapshots):
+        assert "ref 2" in [t.get_text() for t in fig.axes[k].texts] or not any(
+            b.ref_count == 2 for b in snap.blocks)
+    assert [t.get_text() for t in fig.axes[-1].texts] == ["free", "free, still cached",
+                                                          "exclusive (ref 1)", "shared (ref > 1)"]
     assert "5. allocate(B, 2)" in figure_texts(fig)
     with pytest.raises(ValueError):
         draw_steps([])

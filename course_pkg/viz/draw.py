@@ -61,8 +61,9 @@ def _pool_columns(num_blocks: int) -> int:
 class _Layout:
     """Where each part of one snapshot goes, in cell units (x to the right, y downward from 0)."""
 
-    def __init__(self, snap: Snapshot):
+    def __init__(self, snap: Snapshot, legend: bool = True):
         self.snap = snap
+        self.legend = legend
         n = snap.num_blocks
         self.ncols = _pool_columns(n)
         self.nrows = math.ceil(n / self.ncols)
@@ -78,12 +79,12 @@ class _Layout:
         index_lines = min(len(snap.hash_index), MAX_INDEX_SHOWN) + (len(snap.hash_index) > MAX_INDEX_SHOWN)
         main_h = max(self.nrows, len(snap.block_tables), 1, 0.5 * max(index_lines, 1))
         self.free_y = self.top - main_h - 1.3   # top of the free-queue strip
-        self.legend_y = self.free_y - 1.6
+        self.legend_y = self.free_y - 1.6 if legend else self.free_y - 0.85
         n_free = len(snap.free_queue)
         n_free_shown = n_free if n_free <= MAX_FREE_SHOWN else MAX_FREE_SHOWN + 1
         self.free_w = 2.6 + 0.9 * max(n_free_shown, 1) + 1.6
         self.width = max(self.index_x + self.index_w, self.free_w, 17.0)
-        self.height = -self.legend_y + 0.6
+        self.height = -self.legend_y + (0.6 if legend else 0.3)
 
     def cell_xy(self, block_id: int) -> tuple[float, float]:
         """Lower-left corner of a pool cell."""
@@ -195,12 +196,16 @@ def _draw_into(ax, snap: Snapshot, layout: _Layout, title: str | None) -> None:
         x += 1.2
     ax.text(x + 0.1, fy - 0.45, "tail\n(freed last)", fontsize=9, va="center", ha="left", color="#333333")
 
-    # Legend.
-    lx = 0.0
+    if L.legend:
+        _draw_legend(ax, L.legend_y)
+
+
+def _draw_legend(ax, y: float) -> None:
+    x = 0.0
     for s in ("free", "cached", "exclusive", "shared"):
-        _cell(ax, lx, L.legend_y - 0.2, 0.5, 0.4, s)
-        ax.text(lx + 0.65, L.legend_y, STATE_LABELS[s], fontsize=10, va="center", ha="left")
-        lx += 0.65 + 0.16 * len(STATE_LABELS[s]) + 0.8
+        _cell(ax, x, y - 0.2, 0.5, 0.4, s)
+        ax.text(x + 0.65, y, STATE_LABELS[s], fontsize=10, va="center", ha="left")
+        x += 0.65 + 0.16 * len(STATE_LABELS[s]) + 0.8
 
 
 def _frame(ax, width: float, height: float) -> None:
@@ -233,19 +238,24 @@ def draw_steps(snapshots: SequenceABC[Snapshot], ncols: int = 2, title: str | No
         raise ValueError("draw_steps needs at least one snapshot")
     if not isinstance(ncols, int) or ncols < 1:
         raise ValueError(f"ncols must be an integer >= 1, got {ncols!r}")
-    layouts = [_Layout(s) for s in snaps]
+    layouts = [_Layout(s, legend=False) for s in snaps]   # one legend for the whole figure
     w = max(lay.width for lay in layouts) + 0.4
     h = max(lay.height for lay in layouts) + 0.4
     ncols = min(ncols, len(snaps))
     nrows = math.ceil(len(snaps) / ncols)
     top = 0.9 if title else 0.0
-    fig = Figure(figsize=(ncols * w * INCH_PER_UNIT, (nrows * h + top) * INCH_PER_UNIT))
-    total_h = nrows * h + top
+    legend_h = 1.0
+    total_h = nrows * h + top + legend_h
+    fig = Figure(figsize=(ncols * w * INCH_PER_UNIT, total_h * INCH_PER_UNIT))
     for k, (snap, layout) in enumerate(zip(snaps, layouts)):
         r, c = divmod(k, ncols)
         ax = fig.add_axes((c / ncols, 1 - (top + (r + 1) * h) / total_h, 1 / ncols, h / total_h))
         _draw_into(ax, snap, layout, f"{k + 1}. {snap.label}" if snap.label else f"step {k + 1}")
         _frame(ax, w - 0.2, h - 0.2)
+    ax = fig.add_axes((0, 0, 1, legend_h / total_h))
+    ax.set_axis_off()
+    _draw_legend(ax, -0.5)
+    _frame(ax, ncols * w - 0.2, legend_h - 0.2)
     if title:
         fig.text(0.01, 1 - 0.45 / total_h, title, fontsize=17, fontweight="bold", va="center")
     return fig
