@@ -9,7 +9,7 @@ export PYTHONHASHSEED := 0
 
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: help test test-fast lab notebooks figures bench lock clean
+.PHONY: help test test-fast lab notebooks figures bench lock clean slides chromium
 
 help:
 	@echo "make test       bootstrap .venv, run unit/property tests and every notebook (nbval, strict)"
@@ -17,6 +17,7 @@ help:
 	@echo "make notebooks  re-execute every notebook in place (commit the outputs)"
 	@echo "make figures    regenerate figures/ from the package"
 	@echo "make bench      run the CPU benchmarks in benchmarks/"
+	@echo "make slides     export every chapter as reveal.js slides into build/slides/"
 
 # Pinned installs: requirements-lock.txt constrains every package, torch included (the
 # CPU wheel on a CPU machine). The stamp makes a second run install nothing.
@@ -25,7 +26,7 @@ $(STAMP): pyproject.toml requirements-lock.txt
 	$(BIN)/pip install --quiet --disable-pip-version-check -c requirements-lock.txt -e ".[dev]"
 	touch $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest tests notebooks --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
 
@@ -40,6 +41,14 @@ notebooks: $(STAMP)
 
 figures: $(STAMP)
 	$(BIN)/python tools/make_figures.py
+
+# The browser tests (tests/browser/) drive Debian's Chromium; this installs it when missing
+# (apt-get, as root) and otherwise only reports. It never downloads a browser of its own.
+chromium:
+	@sh tools/ensure_chromium.sh
+
+slides: $(STAMP)
+	$(BIN)/python tools/build_slides.py --out build/slides
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/block_manager_ops.py
