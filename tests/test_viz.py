@@ -344,3 +344,17 @@ def test_stepper_css_hooks_and_bad_input():
         Stepper([])
     with pytest.raises(TypeError):
         Stepper(["not a snapshot"])  # type: ignore[list-item]
+
+
+def test_make_figures_is_deterministic_and_makes_the_readme_picture():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "make_figures.py"
+    spec = importlib.util.spec_from_file_location("make_figures", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    first, second = module.figures(), module.figures()
+    assert first == second
+    assert {"block_manager_state.png", "block_manager_steps.png"} <= set(first)
+    assert all(png[:8] == b"\x89PNG\r\n\x1a\n" for png in first.values())
