@@ -286,6 +286,23 @@ def test_large_pool_is_drawn_with_elisions():
     assert "..." in texts and any(t.startswith("... ") and t.endswith("more") for t in texts)
 
 
+def test_many_and_long_block_tables_are_elided():
+    bm = BlockManager(400, 2)
+    seqs = {}
+    for k in range(13):
+        s = seq(list(range(40)) + [1000 + k] * (3 + k), 2)
+        bm.allocate(s, bm.can_allocate(s))
+        s.num_cached_tokens = len(s)
+        bm.hash_blocks(s)
+        seqs[f"request-{k}"] = s
+    texts = figure_texts(draw_snapshot(take_snapshot(bm, seqs, "many")))
+    assert "... 3 more sequences" in texts
+    assert "request-9" in texts and "request-10" not in texts
+    # A 22..28-entry table shows its first 12 and last 3 entries around "...".
+    assert texts.count("...") >= 10
+    assert texts.count("ref 13") == 20           # the shared 20-block prefix
+
+
 def test_show_prints_text_and_displays_a_png(monkeypatch, capsys):
     import IPython.display
 

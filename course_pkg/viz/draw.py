@@ -48,6 +48,8 @@ INCH_PER_UNIT = 0.62   # one pool cell is ~0.6 inch: ref counts stay readable on
 MAX_FREE_SHOWN = 24    # longer free queues are drawn head ... tail
 MAX_INDEX_SHOWN = 12   # longer hash indexes end in "... n more"
 MAX_TOKENS_SHOWN = 6
+MAX_TABLES_SHOWN = 10  # more sequences end in "... n more sequences"
+MAX_ENTRIES_SHOWN = 16 # longer block tables are drawn first entries ... last entries
 
 
 def _pool_columns(num_blocks: int) -> int:
@@ -55,7 +57,23 @@ def _pool_columns(num_blocks: int) -> int:
         return num_blocks
     if num_blocks <= 32:
         return 8
-    return 16
+    if num_blocks <= 128:
+        return 16
+    return 32
+
+
+def _shown_entries(table: tuple[int, ...]) -> list[tuple[int, int] | None]:
+    """(logical index, block id) pairs to draw; None marks the elided middle of a long table."""
+    pairs: list[tuple[int, int] | None] = list(enumerate(table))
+    if len(pairs) > MAX_ENTRIES_SHOWN:
+        pairs = pairs[:MAX_ENTRIES_SHOWN - 4] + [None] + pairs[-3:]
+    return pairs
+
+
+def _owner_tag(names: list[str]) -> str:
+    """Who holds a pool cell, when it fits next to the block id (the ref count says how many)."""
+    tag = ",".join(names)
+    return tag if len(tag) <= 5 else ""
 
 
 class _Layout:
@@ -67,9 +85,10 @@ class _Layout:
         n = snap.num_blocks
         self.ncols = _pool_columns(n)
         self.nrows = math.ceil(n / self.ncols)
-        names = [name for name, _ in snap.block_tables]
+        self.tables = snap.block_tables[:MAX_TABLES_SHOWN]
+        names = [name for name, _ in self.tables]
         self.name_w = max([1.2] + [0.28 * len(name) + 0.6 for name in names])
-        max_len = max([0] + [len(t) for _, t in snap.block_tables])
+        max_len = max([0] + [len(_shown_entries(t)) for _, t in self.tables])
         self.tables_w = max(5.2, self.name_w + max_len * 1.0)
         self.pool_x = self.tables_w + 1.2
         self.pool_w = max(self.ncols * 1.0, 6.8)   # at least as wide as its heading
@@ -77,7 +96,8 @@ class _Layout:
         self.index_w = 7.0
         self.top = -1.4                       # first row of tables and pool
         index_lines = min(len(snap.hash_index), MAX_INDEX_SHOWN) + (len(snap.hash_index) > MAX_INDEX_SHOWN)
-        main_h = max(self.nrows, len(snap.block_tables), 1, 0.5 * max(index_lines, 1))
+        table_rows = len(self.tables) + (len(snap.block_tables) > MAX_TABLES_SHOWN)
+        main_h = max(self.nrows, table_rows, 1, 0.5 * max(index_lines, 1))
         self.free_y = self.top - main_h - 1.3   # top of the free-queue strip
         self.legend_y = self.free_y - 1.6 if legend else self.free_y - 0.85
         n_free = len(snap.free_queue)
@@ -139,21 +159,28 @@ def _draw_into(ax, snap: Snapshot, layout: _Layout, title: str | None) -> None:
                     family="monospace", color="#333333", zorder=3,
                     bbox=dict(facecolor="white", edgecolor="none", pad=0.3) if state == "cached" else None)
         if b.block_id in owners:
-            ax.text(x + 0.86, y + 0.8, ",".join(owners[b.block_id]), fontsize=8.5, va="center",
+            ax.text(x + 0.86, y + 0.8, _owner_tag(owners[b.block_id]), fontsize=8.5, va="center",
                     ha="right", color="#222222", zorder=3)
 
     # Block tables: entry i holds the physical block id of logical block i.
-    for row, (name, table) in enumerate(snap.block_tables):
+    for row, (name, table) in enumerate(L.tables):
         color = SEQ_COLORS[row % len(SEQ_COLORS)]
         y = L.top - row - 0.95
         ax.text(L.name_w - 0.3, y + 0.45, name, fontsize=12, fontweight="bold", color=color,
                 va="center", ha="right")
-        for i, block_id in enumerate(table):
-            x = L.name_w + i * 1.0
+        for k, entry in enumerate(_shown_entries(table)):
+            x = L.name_w + k * 1.0
+            if entry is None:
+                ax.text(x + 0.425, y + 0.45, "...", fontsize=12, va="center", ha="center")
+                continue
+            i, block_id = entry
             _cell(ax, x, y + 0.05, 0.85, 0.8, snap.state(block_id))
             ax.text(x + 0.425, y + 0.45, str(block_id), fontsize=12, va="center", ha="center", zorder=3)
             ax.text(x + 0.05, y + 0.72, f"{i}", fontsize=8, color="#555555", va="center", ha="left",
                     zorder=3)
+    if len(snap.block_tables) > len(L.tables):
+        ax.text(0.1, L.top - len(L.tables) - 0.5, f"... {len(snap.block_tables) - len(L.tables)} more sequences",
+                fontsize=10, color="#555555", va="center")
     if not snap.block_tables:
         ax.text(0.1, L.top - 0.5, "(no sequence holds blocks)", fontsize=10, color="#777777", va="center")
 
