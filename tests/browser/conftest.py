@@ -16,10 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from labdriver import CHROMIUM_ARGS, LabServer
-
-REPO = Path(__file__).resolve().parents[2]
-NOTEBOOKS = REPO / "notebooks"
+from labdriver import CHROMIUM_ARGS, NOTEBOOKS, LabServer
 _SHOTS: list[Path] = []
 
 

@@ -27,6 +27,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[2]
+NOTEBOOKS = REPO / "notebooks"
+
 # User settings written into the throw-away settings folder: no news toast over the page,
 # and every cell kept in the DOM (windowed rendering would drop cells scrolled out of view).
 LAB_SETTINGS = {

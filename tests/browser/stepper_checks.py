@@ -1,0 +1,149 @@
+"""Check a chapter's Stepper in JupyterLab against what the kernel says each step must show.
+
+The expectations come from the kernel, not from the widget: a probe cell, appended to the
+*temporary copy* of the chapter, finds every live ``Stepper`` and writes, for each step, the
+snapshot's label, ``render_text(snapshot)`` and the SHA-256 of a freshly drawn PNG of that
+snapshot (``figure_png(draw_snapshot(snapshot))``, not the widget's cached image). The browser
+side reads what the page shows: the label, the ``<pre>`` text and the bytes of the ``<img>``.
+So the check fails if the page does not move, moves to the wrong step, or shows one step's
+text with another step's figure.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import nbformat
+
+from labdriver import LabServer, open_notebook, run_all_cells
+
+EXPECTATIONS = "_stepper_expectations.json"
+
+PROBE_SOURCE = f'''\
+# Added by the browser test to its temporary copy: what each Stepper must show at each step.
+import hashlib as _hashlib, json as _json
+from ipywidgets.widgets.widget import _instances as _widget_instances
+from course_pkg.viz import Stepper as _Stepper, draw_snapshot as _draw, figure_png as _png, render_text as _text
+_expect = []
+for _st in [_w for _w in list(_widget_instances.values()) if isinstance(_w, _Stepper)]:
+    _expect.append({{"steps": [{{"label": _s.label, "text": _text(_s),
+                               "png_sha256": _hashlib.sha256(_png(_draw(_s), dpi=_st._dpi)).hexdigest()}}
+                              for _s in _st.snapshots]}})
+with open({EXPECTATIONS!r}, "w") as _f:
+    _json.dump(_expect, _f)
+'''
+
+# What one stepper in the page shows now. The figure is an <img> whose src is a blob: or
+# data: URL; its bytes are fetched and hashed in the page.
+_READ_JS = """async (box) => {
+    const q = (sel) => box.querySelector(sel);
+    const img = q('img.stepper-figure') || q('.stepper-figure img');
+    let sha = null;
+    if (img && img.src) {
+        const buf = await (await fetch(img.src)).arrayBuffer();
+        const digest = new Uint8Array(await crypto.subtle.digest('SHA-256', buf));
+        sha = Array.from(digest).map(b => b.toString(16).padStart(2, '0')).join('');
+    }
+    const readout = q('.stepper-slider .widget-readout');
+    return {label: (q('.stepper-label') || {innerText: ''}).innerText.trim(),
+            text: (q('.stepper-text pre') || {textContent: null}).textContent,
+            png_sha256: sha,
+            slider: readout ? readout.textContent.trim() : null};
+}"""
+
+
+def add_probe(notebook: Path) -> None:
+    """Append the probe cell to ``notebook`` (a temporary copy)."""
+    nb = nbformat.read(notebook, as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell(PROBE_SOURCE))
+    nbformat.write(nb, notebook)
+
+
+def shows_step(shown: dict, steps: list[dict], index: int) -> list[str]:
+    """What differs between the page (``shown``) and step ``index``; empty when it matches."""
+    expected = steps[index]
+    problems = []
+    if f"step {index + 1} of {len(steps)}" not in shown["label"] or expected["label"] not in shown["label"]:
+        problems.append(f"label {shown['label']!r} is not step {index + 1} of {len(steps)} "
+                        f"({expected['label']!r})")
+    if shown["text"] != expected["text"]:
+        problems.append(f"text is not render_text(step {index + 1}); shown: {(shown['text'] or '')[:300]!r}")
+    if shown["png_sha256"] != expected["png_sha256"]:
+        problems.append(f"figure is not the figure of step {index + 1}")
+    if shown["slider"] != str(index):
+        problems.append(f"slider reads {shown['slider']!r}, expected {index}")
+    return problems
+
+
+class StepperOnPage:
+    """One `.course-stepper` in the page, with the kernel's expectations for its steps."""
+
+    def __init__(self, page, box, steps: list[dict], shots: Path, name: str):
+        self.page, self.box, self.steps, self.shots, self.name = page, box, steps, shots, name
+        self.index = 0
+        self._shot = 0
+
+    def read(self) -> dict:
+        return self.box.evaluate(_READ_JS)
+
+    def expect_step(self, index: int, action: str, timeout: float = 20.0) -> None:
+        """Wait (bounded) until the page shows step ``index``; fail naming every difference."""
+        deadline = time.monotonic() + timeout
+        while True:
+            shown = self.read()
+            problems = shows_step(shown, self.steps, index)
+            if not problems:
+                break
+            if time.monotonic() > deadline:
+                self.screenshot(f"FAILED-after-{action}")
+                raise AssertionError(f"{self.name}: after {action}, the stepper does not show step "
+                                     f"{index + 1} within {timeout:.0f} s: " + "; ".join(problems))
+            time.sleep(0.25)
+        self.index = index
+        self.screenshot(action)
+
+    def screenshot(self, action: str) -> None:
+        self._shot += 1
+        self.box.scroll_into_view_if_needed()
+        self.box.screenshot(path=self.shots / f"{Path(self.name).stem}-{self._shot:02d}-{action}.png")
+
+    def click(self, which: str) -> None:
+        self.box.locator(f".stepper-{which}").click()
+
+    def slider_to_end(self) -> None:
+        """Click the slider's track at its right end (noUiSlider moves the handle there)."""
+        track = self.box.locator(".stepper-slider .noUi-target").bounding_box()
+        self.page.mouse.click(track["x"] + track["width"] - 1, track["y"] + track["height"] / 2)
+
+    def slider_key(self, key: str) -> None:
+        self.box.locator(".stepper-slider .noUi-handle").focus()
+        self.page.keyboard.press(key)
+
+
+def load_chapter(page, lab: LabServer, name: str, shots: Path) -> list[StepperOnPage]:
+    """Open chapter ``name`` in JupyterLab, run all cells, and pair each stepper in the page
+    with the kernel's expectations (matched by its number of steps and its first step)."""
+    add_probe(lab.root / name)
+    open_notebook(page, lab, name)
+    run_all_cells(page, lab, name)
+    expectations = json.loads((lab.root / Path(name).parent / EXPECTATIONS).read_text())
+    assert expectations, f"{name}: the kernel holds no Stepper after running all cells"
+    boxes = page.locator(".course-stepper")
+    assert boxes.count() >= 1, f"{name}: no .course-stepper in the page after running all cells"
+    return [StepperOnPage(page, boxes.nth(i), _match(boxes.nth(i), expectations, name, i), shots, name)
+            for i in range(boxes.count())]
+
+
+def _match(box, expectations: list[dict], name: str, position: int, timeout: float = 20.0) -> list[dict]:
+    """The expectations whose first step this stepper shows (waiting, bounded, for it to render)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        shown = box.evaluate(_READ_JS)
+        for candidate in expectations:
+            if not shows_step(shown, candidate["steps"], 0):
+                return candidate["steps"]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name}: stepper #{position + 1} in the page does not show the first "
+                                 f"step of any Stepper the kernel holds; it shows {shown['label']!r}")
+        time.sleep(0.25)
