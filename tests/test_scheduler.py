@@ -184,7 +184,8 @@ def test_whole_prompt_cached_still_computes_the_last_block():
         for s in sched.postprocess(seqs, runner.run(seqs)):
             out[s.seq_id] = s.completion_token_ids
     assert out[s1.seq_id] == out[s2.seq_id] == reference(prompt, 3, True)
-    assert sched.stats.prefix_cache_queries == 16 and sched.stats.prefix_cache_hits == 4
+    stats = sched.block_manager.prefix_cache_stats
+    assert (stats.requests, stats.queries, stats.hits) == (2, 16, 4)
     assert sched.stats.prefill_kv_computed_tokens == 8 + 4
 
 
@@ -383,7 +384,25 @@ def test_any_workload_generates_the_reference_tokens(w):
     outputs, log = run_to_end(sched)
     assert outputs == expected
     assert sched.stats.generation_tokens == sum(len(v) for v in expected.values())
-    assert 0 <= sched.stats.prefix_cache_hits <= sched.stats.prefix_cache_queries
+    stats = sched.block_manager.prefix_cache_stats
+    assert 0 <= stats.hits <= stats.queries
+    # one query per admission: every request once, plus once more per preemption
+    assert stats.requests == len(expected) + sched.stats.num_preemptions
     if not w["prefix_caching"]:
-        assert sched.stats.prefix_cache_hits == 0
+        assert stats.hits == 0
     assert sched.block_manager.num_free_blocks == w["num_blocks"]
+
+
+def test_the_most_recently_admitted_sequence_is_preempted_first():
+    # 6 blocks of 2 tokens; a, b, c hold 2 blocks each. a's next token needs a block: c goes.
+    sched = Scheduler(6, 2, max_num_batched_tokens=64)
+    a, b, c = (make_seq([1 + i, 2 + i, 3 + i, 4 + i], 4, bs=2) for i in range(3))
+    for s in (a, b, c):
+        sched.add(s)
+    runner = FakeRunner(sched)
+    seqs, _ = sched.schedule()
+    sched.postprocess(seqs, runner.run(seqs))
+    seqs, _ = sched.schedule()
+    assert sched.preempted == [c] and list(sched.waiting) == [c]
+    assert seqs == [a, b]        # c's two blocks went to a and b
+    assert list(sched.running) == [a, b]
