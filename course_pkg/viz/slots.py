@@ -59,16 +59,16 @@ def draw_slots(block_tables: Mapping[str, Sequence[int]], context_lens: Mapping[
     pool_x = logical_w + gap + label_w
     rows = max(num_blocks, sum(len(t) for t in block_tables.values()) + len(block_tables))
     width = pool_x + block_size * 1.2 + 0.2
-    fig = Figure(figsize=(width * INCH_PER_UNIT, (rows + 1.4) * INCH_PER_UNIT * 0.8))
-    ax = fig.add_subplot()
+    top = 2.2 if title else 1.2
+    fig = Figure(figsize=(width * INCH_PER_UNIT, (rows + top + 0.2) * INCH_PER_UNIT * 0.8))
+    ax = fig.add_axes((0, 0, 1, 1))
     ax.set_xlim(-0.1, width)
-    ax.set_ylim(rows + 0.2, -1.2)
+    ax.set_ylim(rows + 0.2, -top)
     ax.set_axis_off()
     if title:
-        ax.set_title(title, fontsize=12, loc="left")
-    ax.text(0, -0.6, "logical blocks", fontsize=10, weight="bold")
-    ax.text(pool_x, -0.6, "physical slots (slot = block * block_size + offset)", fontsize=10,
-            weight="bold")
+        ax.text(0, -1.6, title, fontsize=12, va="center")
+    ax.text(0, -0.6, "logical blocks", fontsize=10, weight="bold", va="center")
+    ax.text(pool_x, -0.6, "physical slots", fontsize=10, weight="bold", va="center")
 
     # physical pool: one row per block, one cell per slot
     for b in range(num_blocks):
@@ -105,3 +105,17 @@ def draw_slots(block_tables: Mapping[str, Sequence[int]], context_lens: Mapping[
                                          linewidth=1.4))
             y += 1
     return fig
+
+
+def show_slots(block_tables: Mapping[str, Sequence[int]], context_lens: Mapping[str, int],
+               num_blocks: int, block_size: int, *, highlight: Iterable[int] = (),
+               title: str = "", text: bool = True) -> None:
+    """Print the slot table (unless ``text`` is False) and display the drawing."""
+    from IPython.display import Image, display
+
+    from course_pkg.viz.draw import figure_png
+
+    if text:
+        print(render_slots_text(block_tables, context_lens, block_size))
+    display(Image(data=figure_png(draw_slots(block_tables, context_lens, num_blocks, block_size,
+                                             highlight=highlight, title=title)), format="png"))
