@@ -133,6 +133,21 @@ class ForwardReleaseBlockManager(BlockManager):
         super().deallocate(seq)
 
 
+class UnguardedBlockManager(BlockManager):
+    """A BlockManager without the stale-entry guard (chapter 04's foil -- never use it).
+
+    When it hands out a free block for new content it leaves the block's old index entry
+    in place. The token check on a hit does not save it: the block may later hold the
+    same tokens after another prefix, and then the stale entry yields a wrong hit.
+    """
+
+    def _allocate_block(self):
+        block = self.blocks[self.free_block_ids.popleft()]
+        block.reset()  # no `del self.hash_to_block_id[block.hash]` first
+        self.used_block_ids.add(block.block_id)
+        return block
+
+
 def make_block_manager(num_blocks: int, block_size: int, *, release: str = "reversed",
                        **kwargs) -> BlockManager:
     """A BlockManager that releases in ``release`` order: "reversed" (the real one) or "forward"."""
