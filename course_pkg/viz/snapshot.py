@@ -100,7 +100,7 @@ def render_text(snap: Snapshot, max_rows: int = 64) -> str:
         lines.append(f"  ... {len(rows) - max_rows} more")
     untouched = snap.num_blocks - len(rows)
     if untouched:
-        lines.append(f"  ({untouched} blocks free and never registered)")
+        lines.append(f"  ({untouched} {'block' if untouched == 1 else 'blocks'} free and never registered)")
     free = " ".join(f"{b}*" if snap.is_cached(b) else str(b) for b in snap.free_queue)
     lines.append(f"free queue (head -> tail, * = still cached): {free or '(empty)'}")
     lines.append(f"used: {{{', '.join(map(str, snap.used))}}}")
