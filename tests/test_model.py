@@ -25,6 +25,16 @@ SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_l
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These tensors are tiny: with several threads, OpenMP start-up dominates every op (and
+    on a busy 2-core machine it is many times slower). Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def hf_logging_quiet():
     from transformers.utils import logging as hf_logging

@@ -69,15 +69,10 @@ class AttentionMetadata:
             for i, (q_len, c) in enumerate(zip(q_lens, ctx)):
                 if q_len > c:
                     raise ValueError(f"sequence {i}: {q_len} query tokens but context_len {c}")
-            decode = [i for i, q in enumerate(q_lens) if q == 1]
-            device = self.context_lens.device
             self._plan = {
                 "cu": cu, "ctx": ctx, "q_lens": q_lens,
+                "decode": [i for i, q in enumerate(q_lens) if q == 1],
                 "prefill": [i for i, q in enumerate(q_lens) if q > 1],
-                "decode": decode,
-                "decode_rows": torch.tensor([cu[i] for i in decode], dtype=torch.long, device=device),
-                "decode_seqs": torch.tensor(decode, dtype=torch.long, device=device),
-                "all_decode": len(decode) == len(ctx),
             }
         return self._plan
 
@@ -93,64 +88,90 @@ def store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping) -> None:
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
-def _decode_batched(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """All sequences with one query token at once, over K/V gathered into a padded batch.
+def _context_slots(attn: AttentionMetadata, seqs: list[int], block_size: int):
+    """The cache slots of every context token of ``seqs``, end to end, and their offsets.
 
-    ``q`` is ``[B, heads, dim]``. Each sequence's blocks are gathered up to the longest
-    context in the batch; positions past a sequence's own context are masked out.
+    One index for the whole step: each layer gathers all the K/V it needs with a single
+    ``index_select`` instead of one gather per sequence. Computed once per step.
     """
-    block_size = k_cache.shape[1]
-    max_ctx = int(context_lens.max())
-    num_blocks = (max_ctx + block_size - 1) // block_size
-    tables = block_tables[:, :num_blocks].long().clamp_min(0)        # -1 padding -> any block
-    batch = q.shape[0]
-    valid = torch.arange(max_ctx, device=q.device) < context_lens.unsqueeze(1)   # [B, ctx]
-    # Slots past a context hold whatever the pool held (an empty tensor may even hold NaN):
-    # masking the scores is not enough, since softmax weight 0 times NaN is still NaN.
-    invalid = ~valid[:, :, None, None]
-    k = k_cache[tables].flatten(1, 2)[:, :max_ctx].masked_fill_(invalid, 0).transpose(1, 2)
-    v = v_cache[tables].flatten(1, 2)[:, :max_ctx].masked_fill_(invalid, 0).transpose(1, 2)
-    out = F.scaled_dot_product_attention(                              # k, v: [B, kv_heads, ctx, dim]
-        q.unsqueeze(2).to(k.dtype), k, v, attn_mask=valid[:, None, None, :], scale=scale,
-        enable_gqa=True)                                                    # [B, heads, 1, dim]
-    return out.reshape(batch, q.shape[1], q.shape[2]).to(q.dtype)
+    key = ("context_slots", block_size, tuple(seqs))
+    plan = attn.plan()
+    if key not in plan:
+        ctx = [plan["ctx"][i] for i in seqs]
+        device = attn.block_tables.device
+        tables = attn.block_tables[torch.tensor(seqs, device=device)].long()
+        lens = torch.tensor(ctx, device=device)
+        pos = torch.arange(max(ctx), device=device).unsqueeze(0)
+        valid = pos < lens.unsqueeze(1)
+        pos = torch.minimum(pos, lens.unsqueeze(1) - 1)              # stay inside the table
+        slots = tables.gather(1, pos // block_size) * block_size + pos % block_size
+        offsets = [0]
+        for c in ctx:
+            offsets.append(offsets[-1] + c)
+        plan[key] = (slots[valid], offsets)
+    return plan[key]
+
+
+def _attend_one(q, k, v, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence: ``q`` ``[q_len, heads, dim]`` over its last ``q_len``
+    positions of ``k``/``v`` ``[context_len, kv_heads, dim]``.
+
+    A single query (decode) is a few small matmuls: the query heads that share a KV head
+    form the rows of one product, so GQA costs no copy of K/V. Several queries go through
+    SDPA's fused kernel, fed 4-D contiguous tensors (its fast CPU path; strided 3-D inputs
+    take a path that is many times slower).
+    """
+    q_len, num_heads, dim = q.shape
+    context_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    if q_len == 1:
+        qg = q.reshape(num_kv_heads, group, dim).to(k.dtype)          # [kv_heads, group, dim]
+        scores = torch.matmul(qg, k.permute(1, 2, 0)).mul_(scale)     # [kv_heads, group, ctx]
+        out = torch.matmul(scores.softmax(-1), v.transpose(0, 1))     # [kv_heads, group, dim]
+        return out.reshape(1, num_heads, dim)
+    if q_len == context_len:
+        mask, causal = None, True
+    else:   # the queries are the last q_len positions: shift the causal diagonal
+        q_pos = torch.arange(context_len - q_len, context_len, device=q.device).unsqueeze(1)
+        mask, causal = torch.arange(context_len, device=q.device).unsqueeze(0) <= q_pos, False
+    out = F.scaled_dot_product_attention(
+        q.to(k.dtype).transpose(0, 1).contiguous().unsqueeze(0),
+        k.transpose(0, 1).contiguous().unsqueeze(0), v.transpose(0, 1).contiguous().unsqueeze(0),
+        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)   # [1, heads, q, dim]
+    return out[0].transpose(0, 1)
 
 
 def paged_attention_torch(q, k_cache, v_cache, attn: AttentionMetadata, scale: float,
                           key=None, value=None) -> torch.Tensor:
-    """Same result as :func:`paged_attention_ref`, vectorized where it pays on a CPU.
+    """Same result as :func:`paged_attention_ref`, shaped for a CPU.
 
-    * decode sequences (``q_len == 1``): one batched SDPA call over padded gathered K/V;
-    * prefill sequences: one SDPA call each. A sequence with no cached prefix
-      (``q_len == context_len``) uses this step's ``key``/``value`` directly (they are exactly
-      what was just stored, when the cache has the model's dtype) with a plain causal mask;
-      otherwise it gathers its K/V from the cache and shifts the causal mask by the prefix.
+    * decode sequences (``q_len == 1``): all their context K/V gathered with one
+      ``index_select`` per layer (only real tokens, no padding), then a few small matmuls
+      per sequence;
+    * prefill sequences: a sequence with no cached prefix (``q_len == context_len``) uses
+      this step's ``key``/``value`` directly -- exactly what was just stored, when the cache
+      has the model's dtype; one with a cached prefix gathers its K/V through its block table.
     """
     plan = attn.plan()
-    if plan["all_decode"]:
-        return _decode_batched(q, k_cache, v_cache, attn.block_tables, attn.context_lens, scale)
     out = torch.empty_like(q)
-    if plan["decode"]:
-        rows, seqs = plan["decode_rows"], plan["decode_seqs"]
-        out[rows] = _decode_batched(q[rows], k_cache, v_cache, attn.block_tables[seqs],
-                                    attn.context_lens[seqs], scale)
-    fresh_ok = key is not None and key.dtype == k_cache.dtype
     cu, ctx = plan["cu"], plan["ctx"]
+    if plan["decode"]:
+        block_size, num_kv_heads, dim = k_cache.shape[1:]
+        slots, offsets = _context_slots(attn, plan["decode"], block_size)
+        k_all = k_cache.view(-1, num_kv_heads, dim).index_select(0, slots)
+        v_all = v_cache.view(-1, num_kv_heads, dim).index_select(0, slots)
+        for j, i in enumerate(plan["decode"]):
+            lo, hi = offsets[j], offsets[j + 1]
+            out[cu[i]:cu[i] + 1] = _attend_one(q[cu[i]:cu[i] + 1], k_all[lo:hi], v_all[lo:hi], scale)
+    fresh_ok = key is not None and key.dtype == k_cache.dtype
     for i in plan["prefill"]:
         start, end, context_len = cu[i], cu[i + 1], ctx[i]
-        q_len = end - start
-        if fresh_ok and q_len == context_len:
+        if fresh_ok and end - start == context_len:
             k, v = key[start:end], value[start:end]
-            mask, causal = None, True
         else:
             k = gather_kv(k_cache, attn.block_tables[i], context_len)
             v = gather_kv(v_cache, attn.block_tables[i], context_len)
-            q_pos = torch.arange(context_len - q_len, context_len, device=q.device).unsqueeze(1)
-            mask, causal = torch.arange(context_len, device=q.device).unsqueeze(0) <= q_pos, False
-        o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1).to(k.dtype), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
-        out[start:end] = o.transpose(0, 1).to(q.dtype)
+        out[start:end] = _attend_one(q[start:end], k, v, scale)
     return out
 
 
@@ -175,11 +196,9 @@ def attend(q, key, value, kv_cache, attn: AttentionMetadata, scale: float) -> to
         out = torch.empty_like(q)
         cu = plan["cu"]
         for i in range(len(plan["ctx"])):
-            s, e = cu[i], cu[i + 1]
-            if e > s:
-                out[s:e] = F.scaled_dot_product_attention(
-                    q[s:e].transpose(0, 1), key[s:e].transpose(0, 1), value[s:e].transpose(0, 1),
-                    is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
+            if cu[i + 1] > cu[i]:
+                s, e = cu[i], cu[i + 1]
+                out[s:e] = _attend_one(q[s:e], key[s:e], value[s:e], scale)
         return out
     k_cache, v_cache = kv_cache
     if attn.backend == "torch":
