@@ -19,12 +19,13 @@ only fill in the cells that have none):
    code cell and this one would take it past ``SLIDE_LINES`` lines (source, text output, and
    ``FIGURE_LINES`` per figure: so two figures never share a slide). The split moves up to the
    plain prose cells right above it, which introduce it; it never separates a code cell from
-   a heading or an exercise right above it.
+   the exercise prompt right above it.
 5. Everything else (``-``) continues the current slide; a slide too long for the screen
    scrolls.
 
 Self-contained decks: figures are PNG outputs, which nbconvert writes into the HTML as
-``data:`` URIs (markdown images are embedded too). The widgets' saved state (stored by
+``data:`` URIs; markdown images that are files of the course (e.g. ../figures/*.png) are
+embedded as ``data:`` URIs too. The widgets' saved state (stored by
 tools/execute_notebooks.py) is written into each deck and rendered by the Jupyter widgets
 HTML manager. reveal.js, require.js, jQuery, MathJax and the widgets HTML manager are not loaded from a
 CDN: ``vendor()`` fetches pinned versions once with ``npm pack`` (npm's own cache makes later
@@ -36,9 +37,11 @@ opened from disk makes no request off the machine.
 from __future__ import annotations
 
 import argparse
+import base64
 import copy
 import html
 import json
+import mimetypes
 import re
 import shutil
 import subprocess
@@ -184,9 +187,8 @@ def slide_types(nb) -> list[str]:
             while (start - 1 >= 0 and types[start - 1] == "-" and not explicit[start - 1]
                    and cells[start - 1].cell_type == "markdown" and start - 1 in section):
                 start -= 1
-            above = start - 1
-            if above >= 0 and (types[above] != "-" or explicit[above]) and cells[above].cell_type == "markdown":
-                pass  # a heading or an exercise right above: keep them together
+            if start == index and index > 0 and types[index - 1] == "fragment":
+                pass  # an exercise's prompt right above: keep the code with it
             elif start < index:
                 types[start] = "subslide"
                 section = list(range(start, index))
@@ -206,6 +208,35 @@ def mark_slides(nb):
     return marked
 
 
+_MD_IMAGE = re.compile(r"(!\[[^\]]*\]\()([^)\s]+)(\))")
+_HTML_IMAGE = re.compile(r"(<img\b[^>]*\bsrc=[\"'])([^\"']+)([\"'])")
+
+
+def embed_local_images(nb, notebook_dir: Path, allowed_root: Path):
+    """A copy of ``nb`` whose markdown images that are local files become ``data:`` URIs.
+
+    nbconvert embeds only images inside the notebook's own folder; the chapters also show
+    figures from ../figures/. Files outside ``allowed_root`` and remote URLs are left alone.
+    """
+    root = allowed_root.resolve()
+
+    def to_data_uri(match):
+        src = match.group(2)
+        if re.match(r"^[a-z][a-z0-9+.-]*:", src, re.IGNORECASE):
+            return match.group(0)  # http:, data:, attachment: ...
+        path = (notebook_dir / src).resolve()
+        if not path.is_file() or not path.is_relative_to(root):
+            return match.group(0)
+        mime = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+        return f"{match.group(1)}data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}{match.group(3)}"
+
+    embedded = copy.deepcopy(nb)
+    for cell in embedded.cells:
+        if cell.cell_type == "markdown":
+            cell.source = _HTML_IMAGE.sub(to_data_uri, _MD_IMAGE.sub(to_data_uri, cell.source))
+    return embedded
+
+
 def export_deck(notebook: Path, out_dir: Path) -> Path:
     """Write ``<out_dir>/<notebook stem>.slides.html`` and return its path."""
     from jinja2 import DictLoader
@@ -215,6 +246,7 @@ def export_deck(notebook: Path, out_dir: Path) -> Path:
     exporter = SlidesExporter(config=Config({"SlidesExporter": EXPORTER_CONFIG}),
                               extra_loaders=[DictLoader(TEMPLATE)])
     nb = nbformat.read(notebook, as_version=4)
+    nb = embed_local_images(nb, notebook.parent, notebook.parent.parent)
     body, _ = exporter.from_notebook_node(
         mark_slides(nb), resources={"metadata": {"name": notebook.stem, "path": str(notebook.parent)}})
     out_dir.mkdir(parents=True, exist_ok=True)
