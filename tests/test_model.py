@@ -166,6 +166,21 @@ def test_greedy_decode_through_the_cache_equals_hf_generate(checkpoint):
         assert outputs[i] == ref
 
 
+def test_triton_backend_matches_hf_under_the_interpreter():
+    """The chapter-05 kernels as the model's attention (Triton's CPU interpreter here, the
+    GPU elsewhere): a short prefill with a cached prefix, then two decode steps."""
+    model, config, _ = load_model()
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(default_model_path()), dtype=torch.float32).eval()
+    seqs = random_prompts(config.vocab_size, [9, 6], seed=11)
+    full = {i: hf_logits(hf, s) for i, s in enumerate(seqs)}
+    run = PagedRun(model, config, block_size=4, num_blocks=16, backend="triton")
+    for plan in [{0: (0, 5), 1: (0, 4)}, {0: (5, 8), 1: (4, 5)}, {0: (8, 9), 1: (5, 6)}]:
+        logits = run.step({i: seqs[i][a:b] for i, (a, b) in plan.items()})
+        expected = torch.cat([full[i][a:b] for i, (a, b) in plan.items()])
+        torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
 def test_without_cache_equals_with_cache(checkpoint):
     model, config, _ = checkpoint
     prompts = random_prompts(config.vocab_size, [5, 9], seed=3)

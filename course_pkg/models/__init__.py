@@ -23,10 +23,20 @@ Public interface (what the ModelRunner codes against)::
 * ``build_random_checkpoint(path, **overrides)`` writes a seeded random CPU-sized (~21M
   parameters) Qwen3 folder for benchmarks.
 """
-from course_pkg.models.attention import AttentionMetadata
-from course_pkg.models.checkpoint import BENCHMARK_CONFIG, build_random_checkpoint, copy_default_model
-from course_pkg.models.loader import default_model_path, load_config, load_model, load_tokenizer, load_weights
-from course_pkg.models.qwen3 import Qwen3ForCausalLM
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU the Triton backend runs under Triton's interpreter, which must be chosen
+    # before anything imports triton -- and building any module on the meta device (as the
+    # loader does) or importing transformers imports it, through torch._dynamo.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from course_pkg.models.attention import AttentionMetadata  # noqa: E402
+from course_pkg.models.checkpoint import BENCHMARK_CONFIG, build_random_checkpoint, copy_default_model  # noqa: E402
+from course_pkg.models.loader import default_model_path, load_config, load_model, load_tokenizer, load_weights  # noqa: E402
+from course_pkg.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 
 __all__ = [
     "AttentionMetadata", "BENCHMARK_CONFIG", "Qwen3ForCausalLM", "build_random_checkpoint",

@@ -178,8 +178,8 @@ def paged_attention_torch(q, k_cache, v_cache, attn: AttentionMetadata, scale: f
 def _triton_ops():
     # Imported lazily: triton is heavy to import and only the GPU path (or a test under
     # TRITON_INTERPRET=1) needs it.
-    from course_pkg.kernels.triton_kernels import paged_attention, store_kvcache
-    return store_kvcache, paged_attention
+    from course_pkg.kernels import triton_kernels
+    return triton_kernels
 
 
 def attend(q, key, value, kv_cache, attn: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -208,7 +208,12 @@ def attend(q, key, value, kv_cache, attn: AttentionMetadata, scale: float) -> to
         store_kvcache_ref(key, value, k_cache, v_cache, attn.slot_mapping)
         return paged_attention_ref(q, k_cache, v_cache, attn.block_tables, attn.context_lens,
                                    attn.cu_seqlens_q, scale)
-    store_kvcache, paged_attention = _triton_ops()
-    store_kvcache(key, value, k_cache, v_cache, attn.slot_mapping)
-    return paged_attention(q, k_cache, v_cache, attn.block_tables, attn.context_lens,
-                           attn.cu_seqlens_q, scale)
+    kernels = _triton_ops()
+    kernels.store_kvcache(key, value, k_cache, v_cache, attn.slot_mapping)
+    # The metadata already carries max_q_len / max_context_len, so the launch reads nothing
+    # back from the device (paged_attention() would, once per layer, to check the values).
+    num_splits = kernels.choose_num_splits(q, k_cache, attn.context_lens.shape[0], attn.max_q_len,
+                                           attn.max_context_len)
+    return kernels.launch_paged_attention(
+        torch.empty_like(q), q, k_cache, v_cache, attn.block_tables, attn.context_lens,
+        attn.cu_seqlens_q, scale, max_q_len=attn.max_q_len, num_splits=num_splits)
