@@ -70,6 +70,9 @@ VENDOR = {
 }
 VENDOR_DIR = "_vendor"
 VENDOR_STAMP = ".vendored.json"
+# The widget manager's bundle asks for its icon fonts (Font Awesome) relative to the page, at
+# these folders; copies of its web fonts go there so the buttons show their icons.
+WIDGET_FONT_DIRS = ("@jupyter-widgets", "@jupyter-widgets/html-manager/dist")
 
 EXPORTER_CONFIG = {
     "reveal_url_prefix": f"{VENDOR_DIR}/reveal.js",
@@ -286,11 +289,18 @@ def vendor(out_dir: Path, npm: str = "npm") -> Path:
                     dest = target / folder / rel
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     dest.write_bytes(tar.extractfile(member).read())
+    for folder in WIDGET_FONT_DIRS:
+        shutil.rmtree(out_dir / folder, ignore_errors=True)
+        (out_dir / folder).mkdir(parents=True)
+        for font in (target / "html-manager" / "dist").glob("*.woff*"):
+            shutil.copy2(font, out_dir / folder / font.name)
     stamp.write_text(json.dumps(sorted(VENDOR)))
     return target
 
 
-def write_index(out_dir: Path, decks: list[Path]) -> Path:
+def write_index(out_dir: Path) -> Path:
+    """index.html linking every deck in ``out_dir`` (also those of earlier partial builds)."""
+    decks = sorted(out_dir.glob("*.slides.html"))
     items = "\n".join(f'  <li><a href="{html.escape(d.name)}">{html.escape(d.stem.removesuffix(".slides"))}</a></li>'
                       for d in decks)
     index = out_dir / "index.html"
@@ -309,7 +319,7 @@ def build(notebooks: list[Path], out_dir: Path, with_vendor: bool = True) -> lis
     if with_vendor:
         vendor(out_dir)
     decks = [export_deck(n, out_dir) for n in notebooks]
-    write_index(out_dir, decks)
+    write_index(out_dir)
     return decks
 
 
