@@ -320,9 +320,21 @@ def test_tied_and_untied_heads(tmp_path, hf_logging_quiet):
     assert not torch.equal(untied.lm_head.weight, untied.model.embed_tokens.weight)
 
 
-def test_load_model_dtype_and_bad_backend():
-    model, _, _ = load_model(dtype=torch.bfloat16)
+def test_load_model_dtype_and_bad_input():
+    model, config, _ = load_model(dtype=torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     with pytest.raises(ValueError, match="attention backend"):
         AttentionMetadata(torch.zeros(1), torch.zeros(1, 1), torch.ones(1), torch.tensor([0, 1]),
                           1, 1, backend="cuda")
+    with pytest.raises(ValueError, match="cu_seqlens_q has 3 entries"):
+        AttentionMetadata(torch.zeros(1), torch.zeros(1, 1), torch.ones(1), torch.tensor([0, 1, 2]), 1, 1)
+    too_many_queries = AttentionMetadata(torch.tensor([0, 1]), torch.zeros(1, 1, dtype=torch.int32),
+                                         torch.tensor([1]), torch.tensor([0, 2]), 2, 1)
+    shape = (2, 4, config.num_key_value_heads, config.head_dim)
+    caches = [(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
+              for _ in range(config.num_hidden_layers)]
+    with pytest.raises(ValueError, match="2 query tokens but context_len 1"):
+        model(torch.tensor([1, 2]), torch.tensor([0, 1]), too_many_queries, caches)
+    assert all(not k.any() and not v.any() for k, v in caches)      # nothing was written
+    with pytest.raises(ValueError, match="kv_caches has 1 entries for 4 layers"):
+        model(torch.tensor([1, 2]), torch.tensor([0, 1]), too_many_queries, caches[:1])

@@ -52,8 +52,9 @@ class RotaryEmbedding:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         """``cos``, ``sin`` of shape ``[N, head_dim]`` for the given positions."""
-        inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions[:, None].float() * inv_freq
+        if self.inv_freq.device != positions.device:      # moved once, on first use
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -177,6 +178,16 @@ class Qwen3ForCausalLM(nn.Module):
         if kv_caches is not None and len(kv_caches) != len(self.model.layers):
             raise ValueError(f"kv_caches has {len(kv_caches)} entries for "
                              f"{len(self.model.layers)} layers")
+        if attn.slot_mapping.shape[0] != input_ids.shape[0]:
+            raise ValueError(f"slot_mapping has {attn.slot_mapping.shape[0]} entries for "
+                             f"{input_ids.shape[0]} tokens")
+        if attn.backend != "triton" or kv_caches is None:
+            # Check the per-sequence lengths before any layer writes the cache (the triton
+            # path skips this: reading them would cost a device synchronisation per step).
+            total = attn.plan()["cu"][-1]
+            if total != input_ids.shape[0]:
+                raise ValueError(f"cu_seqlens_q ends at {total} but the batch has "
+                                 f"{input_ids.shape[0]} tokens")
         return self.model(input_ids, positions, attn, kv_caches)
 
     @torch.inference_mode()
