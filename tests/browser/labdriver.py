@@ -27,6 +27,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import nbformat
+
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
 
@@ -204,30 +206,52 @@ def open_notebook(page, lab: LabServer, name: str, timeout: float = 60.0) -> Non
     wait_until(lambda: lab.kernel_state(name) == "idle", timeout, f"the kernel of {name} to be idle")
 
 
+def clear_outputs(notebook: Path) -> None:
+    """Drop the outputs and execution counts of a (temporary copy of a) notebook.
+
+    A run then shows plainly which cells ran: every code cell gets a number, and none of the
+    prompts on the page can be left over from the outputs saved in the repository.
+    """
+    nb = nbformat.read(notebook, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+    nbformat.write(nb, notebook)
+
+
+def _ran(cell: dict) -> bool:
+    prompt = cell["prompt"]
+    return prompt.startswith("[") and prompt.endswith("]:") and prompt[1:-2].isdigit()
+
+
 def run_all_cells(page, lab: LabServer, name: str, timeout: float = 120.0) -> list[dict]:
     """Run > Run All Cells, as a student would, and wait (bounded) until every cell has run.
 
-    Returns the code cells' prompts and stderr text. Raises AssertionError naming the first
-    code cell that did not run (JupyterLab stops a run at the first error), with its error.
+    The notebook must have been opened without outputs (see `clear_outputs`). Returns the
+    code cells' prompts and stderr text. Raises AssertionError naming the first code cell that
+    did not run (JupyterLab stops a run at the first error), with the errors shown.
     """
     page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
     page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
 
-    def settled():
-        cells = page.evaluate(_CELL_STATE_JS)
-        busy = any(c["prompt"] == "[*]:" for c in cells) or lab.kernel_state(name) != "idle"
-        return None if busy else cells
+    def finished():
+        cells = [c for c in page.evaluate(_CELL_STATE_JS) if c["source"].strip()]
+        if any(c["prompt"] == "[*]:" for c in cells) or lab.kernel_state(name) != "idle":
+            return None  # still running
+        if all(_ran(c) for c in cells) or any(c["errors"] and _ran(c) for c in cells):
+            return cells  # all ran, or the run stopped at an error
+        return None  # not started yet
 
-    def settled_twice():  # the kernel is idle for an instant between two queued cells
-        if settled():
+    def finished_twice():  # the kernel is idle for an instant between two queued cells
+        if finished():
             time.sleep(0.5)
-            return settled()
+            return finished()
         return None
 
-    wait_until(settled_twice, timeout, f"all cells of {name} to finish running", interval=0.5)
-    cells = page.evaluate(_CELL_STATE_JS)
+    cells = wait_until(finished_twice, timeout, f"all cells of {name} to finish running", interval=0.5)
     for index, cell in enumerate(cells):
-        if cell["source"].strip() and not (cell["prompt"].startswith("[") and cell["prompt"][1:-2].isdigit()):
+        if not _ran(cell):
             raise AssertionError(f"{name}: code cell {index} did not run (prompt {cell['prompt']!r}); "
-                                 f"errors so far: {' | '.join(c['errors'][-800:] for c in cells if c['errors'])}")
+                                 f"errors shown: {' | '.join(c['errors'][-800:] for c in cells if c['errors'])}")
     return cells

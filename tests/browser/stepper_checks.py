@@ -16,7 +16,7 @@ from pathlib import Path
 
 import nbformat
 
-from labdriver import LabServer, open_notebook, run_all_cells
+from labdriver import LabServer, clear_outputs, open_notebook, run_all_cells
 
 EXPECTATIONS = "_stepper_expectations.json"
 
@@ -124,6 +124,7 @@ class StepperOnPage:
 def load_chapter(page, lab: LabServer, name: str, shots: Path) -> list[StepperOnPage]:
     """Open chapter ``name`` in JupyterLab, run all cells, and pair each stepper in the page
     with the kernel's expectations (matched by its number of steps and its first step)."""
+    clear_outputs(lab.root / name)
     add_probe(lab.root / name)
     open_notebook(page, lab, name)
     run_all_cells(page, lab, name)

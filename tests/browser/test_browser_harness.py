@@ -7,6 +7,7 @@ moving one step index, a label showing it) but built from plain ipywidgets.
 from __future__ import annotations
 
 import nbformat
+import pytest
 
 from labdriver import open_notebook, run_all_cells, wait_until
 
@@ -50,3 +51,17 @@ def test_lab_runs_a_notebook_and_widgets_answer(page, lab, shots):
     page.locator(".probe-box").screenshot(path=shots / "harness_probe.png")
 
     assert len(lab.running_kernels()) == 1  # this test's kernel; the page fixture shuts it down
+
+
+def test_a_cell_that_raises_is_reported_not_waited_on(page, lab):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"display_name": "Python 3 (ipykernel)", "language": "python",
+                                 "name": "python3"}
+    nb.cells = [nbformat.v4.new_code_cell("x = 1"),
+                nbformat.v4.new_code_cell("raise ValueError('planted failure')"),
+                nbformat.v4.new_code_cell("y = 2")]
+    nbformat.write(nb, lab.root / "_harness_raises.ipynb")
+
+    open_notebook(page, lab, "_harness_raises.ipynb")
+    with pytest.raises(AssertionError, match="(?s)code cell 2 did not run.*ValueError: planted failure"):
+        run_all_cells(page, lab, "_harness_raises.ipynb", timeout=60)
