@@ -272,3 +272,48 @@ def test_draw_slots_draws_every_slot_and_rejects_short_tables():
     assert render_slots_text({"A": [2, 0]}, {"A": 5}, 3).splitlines()[-1].split() == ["A", "4", "1", "1", "0", "1"]
     with pytest.raises(ValueError, match="need 2 blocks"):
         token_slots([4], 3, 5)
+
+
+# ------------------------------------------------------------------- the GPU compile path, no GPU
+
+GPU_COMPILE_SCRIPT = r'''
+import os
+os.environ["TRITON_INTERPRET"] = "0"            # decorate for a GPU, even on a CPU-only machine
+from triton import compile as triton_compile
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from course_pkg.kernels import triton_kernels as tk
+
+def build(fn, pointers, consts, capability, **options):
+    sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "qk_scale" else "i32")
+           for n in fn.arg_names}
+    kernel = triton_compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                            target=GPUTarget("cuda", capability, 32), options=options)
+    assert "ld.global" in kernel.asm["ptx"] and kernel.asm["cubin"]
+
+meta = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32"}
+decode = dict(GROUP=4, NUM_SPLITS=1, UPCAST=False, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128)
+bf16 = {n: "*bf16" for n in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "part_out_ptr", "part_ml_ptr")}
+build(tk._paged_attention_kernel, {**bf16, **meta}, decode, 90, num_warps=4, num_stages=3)   # H100/H200
+prefill = dict(GROUP=2, NUM_SPLITS=3, UPCAST=False, BLOCK_M=64, BLOCK_N=32, BLOCK_D=64)
+fp32 = {n: "*fp32" for n in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "part_out_ptr", "part_ml_ptr")}
+build(tk._paged_attention_kernel, {**fp32, **meta}, prefill, 90)
+build(tk._merge_splits_kernel, {"out_ptr": "*fp16", "part_out_ptr": "*fp32", "part_ml_ptr": "*fp32"},
+      dict(NUM_SPLITS=3, BLOCK_S=4, BLOCK_D=64), 90)
+build(tk._store_kvcache_kernel, {n: "*bf16" for n in ("key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr")}
+      | {"slot_mapping_ptr": "*i64"}, dict(BLOCK_H=8, BLOCK_D=128), 90)
+print("compiled 4 kernels")
+'''
+
+
+def test_kernels_compile_for_nvidia_gpus(tmp_path):
+    """The interpreter never runs Triton's GPU compiler; this does, ahead of time, for sm_90
+    (Triton ships ptxas), so a kernel that only the interpreter accepts -- a tl.dot tile
+    under 16, mismatched dot dtypes, a non-constexpr shape -- fails here too."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "1"}
+    result = subprocess.run([sys.executable, "-c", GPU_COMPILE_SCRIPT], capture_output=True,
+                            text=True, env=env, timeout=300)
+    assert result.returncode == 0 and "compiled 4 kernels" in result.stdout, result.stderr[-3000:]

@@ -17,8 +17,13 @@ raw 16-bit integers), so under the interpreter every tile is converted to float3
 after ``tl.load`` (``UPCAST``). Its float32 -> bfloat16 conversion truncates instead of
 rounding to nearest even, so the wrappers never ask a kernel for that conversion under the
 interpreter: torch does it. And an out-of-bounds load does not fail, it reads garbage, so
-every load that can leave a tensor is masked. Only APIs present since Triton 3.1 are used
-(GPU machines often carry an older Triton than the newest release, e.g. 3.6).
+every load that can leave a tensor is masked.
+
+Versions. GPU machines often carry an older Triton than the newest release (3.6 with torch
+2.11 was seen), so the kernels use only long-standing APIs; ``tests/test_kernels.py`` compiles
+them ahead of time for sm_90 with the installed Triton (checked with 3.6 and 3.9). One known
+gap: Triton 3.6's *interpreter* cannot run a loop whose bounds are tensors once numpy is 2.4
+or newer (it converts a 1-element array to an int), so on a CPU use the pinned Triton (3.9).
 """
 from __future__ import annotations
 
@@ -290,7 +295,9 @@ def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
     block_m = max(16, min(64, triton.next_power_of_2(max_q_len * group)))
     block_d = max(16, triton.next_power_of_2(head_dim))
     if block_n is None:
-        block_n = 16 if INTERPRET else 64   # small tiles: the chapter's short contexts still loop
+        # Interpreter: small tiles, so the chapter's short contexts still loop. GPU: 64 keys per
+        # tile, 32 in float32 (the tiles and their pipeline copies must fit in shared memory).
+        block_n = 16 if INTERPRET else 32 if q.dtype == torch.float32 else 64
     num_q_tiles = triton.cdiv(max_q_len * group, block_m)
     if num_splits > 1:
         part_out = torch.empty((num_splits, total_q, num_heads, block_d), dtype=torch.float32, device=q.device)
