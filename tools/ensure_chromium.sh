@@ -27,9 +27,14 @@ fi
 
 echo "ensure_chromium: $CHROMIUM missing; installing Debian's chromium with apt-get (~500 MB)"
 export DEBIAN_FRONTEND=noninteractive
-if apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core >/dev/null; then
-    echo "ensure_chromium: installed $("$CHROMIUM" --version 2>/dev/null || echo chromium)"
+log="$(mktemp)"
+if apt-get update -qq >"$log" 2>&1 &&
+   apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core >>"$log" 2>&1 &&
+   [ -x "$CHROMIUM" ]; then
+    echo "ensure_chromium: installed $("$CHROMIUM" --version 2>/dev/null)"
 else
-    echo "ensure_chromium: apt-get could not install chromium; installed nothing (browser tests will skip)"
+    echo "ensure_chromium: apt-get could not install chromium; installed nothing (browser tests will skip):"
+    tail -n 5 "$log"
 fi
+rm -f "$log"
 exit 0

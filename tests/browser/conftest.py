@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from labdriver import CHROMIUM_ARGS, NOTEBOOKS, LabServer
+
 _SHOTS: list[Path] = []
 
 

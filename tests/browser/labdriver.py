@@ -8,7 +8,7 @@ Chromium. This module owns the server side of that:
   gives the server a throw-away HOME, config, runtime and settings folder, a random token and
   a fixed free port on 127.0.0.1, and waits (bounded) until ``/api/status`` answers.
 - `LabServer.stop()` deletes every session and kernel through the REST API, asks the server
-  to shut down, and kills it only if it has not exited within a bounded wait.
+  to shut down, and kills its process group only if it has not exited within a bounded wait.
 
 Every wait here has a deadline and raises `TimeoutError` naming what it waited for.
 """
@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -155,7 +156,9 @@ class LabServer:
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                # The server runs in a process group of its own (start_new_session): this ends
+                # it and the kernels it started, nothing else.
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=timeout)
             if self._log:
                 self._log.close()
