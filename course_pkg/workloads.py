@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from course_pkg.block_manager import BlockManager
+from course_pkg.sampling_params import SamplingParams
 from course_pkg.sequence import Sequence, SequenceStatus
 
 VOCAB_SIZE = 32_000
@@ -309,6 +310,40 @@ class Simulator:
             num_computed_tokens=self.num_computed_tokens,
             mean_kv_cache_usage=self._usage_sum / self.num_steps if self.num_steps else 0.0,
             max_kv_cache_usage=self._usage_max)
+
+
+def serve_with_scheduler(requests: list[Request], scheduler) -> list[Sequence]:
+    """Serve ``requests`` with the engine's real ``Scheduler`` (chapter 06) and fake decoded tokens.
+
+    The same job as ``Simulator``, done by the production scheduler instead (which also
+    chunks long prompts). A request is handed to the scheduler once its parent has finished,
+    in workload order. Returns the sequences, finished, in workload order; the statistics are
+    in ``scheduler.block_manager.prefix_cache_stats`` and ``scheduler.stats``.
+    """
+    seqs = [Sequence(list(r.prompt_token_ids),
+                     SamplingParams(max_tokens=len(r.output_token_ids), ignore_eos=True),
+                     block_size=scheduler.block_size) for r in requests]
+    index = {seq.seq_id: i for i, seq in enumerate(seqs)}
+    finished = [False] * len(requests)
+    next_request = 0
+    while True:
+        while next_request < len(requests) and (requests[next_request].parent is None
+                                                or finished[requests[next_request].parent]):
+            scheduler.add(seqs[next_request])
+            next_request += 1
+        if scheduler.is_finished():
+            break
+        batch, _ = scheduler.schedule()
+        if not batch:
+            raise RuntimeError("the scheduler scheduled nothing although requests are waiting")
+        tokens = []
+        for seq in batch:  # a chunk that does not finish the prompt samples nothing
+            done_after = seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens
+            outputs = requests[index[seq.seq_id]].output_token_ids
+            tokens.append(outputs[seq.num_completion_tokens] if done_after else None)
+        for seq in scheduler.postprocess(batch, tokens):
+            finished[index[seq.seq_id]] = True
+    return seqs
 
 
 def simulate(requests: list[Request], num_blocks: int, block_size: int = 16, *,

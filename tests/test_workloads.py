@@ -163,3 +163,28 @@ def test_forward_release_misuse_raises_and_changes_nothing():
     assert list(bm.free_block_ids) == [0, 1, 2, 3] and seq.block_table == []
     with pytest.raises(ValueError, match="release"):
         make_block_manager(4, 2, release="sideways")
+
+
+# ------------------------------------------------------------------ against the real Scheduler
+
+@pytest.mark.parametrize("num_blocks,max_num_seqs", [(40, 8), (60, 2), (400, 16)])
+def test_simulator_matches_the_engine_scheduler(num_blocks, max_num_seqs):
+    """The experiments' simulator and chapter 06's Scheduler make the same decisions: same
+    prefix-cache queries and hits, same preemptions, same computed tokens, same outputs."""
+    from course_pkg.scheduler import Scheduler
+    from course_pkg.workloads import serve_with_scheduler
+
+    requests = (shared_prefix_workload(150, num_prefixes=6, prefix_len=100, output_len=(4, 40), seed=7)
+                + multi_turn_workload(6, 3, system_len=30, user_len=(4, 20), output_len=(4, 30), seed=7))
+    budget = 10**6  # no chunking: the simulator never chunks a prompt
+    sim = Simulator(requests, BlockManager(num_blocks, 16), max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=budget)
+    result = sim.run()
+    scheduler = Scheduler(num_blocks, 16, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    seqs = serve_with_scheduler(requests, scheduler)
+    stats = scheduler.block_manager.prefix_cache_stats
+    assert (stats.queries, stats.hits) == (result.prefix_cache_queries, result.prefix_cache_hits)
+    assert scheduler.stats.num_preemptions == result.num_preemptions
+    assert scheduler.stats.prefill_kv_computed_tokens == result.num_computed_tokens
+    assert [s.token_ids for s in seqs] == [s.token_ids for s in sim.seqs]
+    assert (max_num_seqs, num_blocks) != (8, 40) or result.num_preemptions > 0
