@@ -102,6 +102,25 @@ def test_explicit_slideshow_metadata_wins_and_the_notebook_is_not_changed():
     assert types == ["slide", "skip", "-", "-", "notes", "subslide"]
 
 
+def test_a_heading_inside_a_cell_gets_a_cell_and_a_slide_of_its_own():
+    cell = md("Closing words of section 1.\n\n## 2. Next section\n\nIts text.\n"
+              "```python\n# a comment, not a heading\n```\n### A detail\nMore.",
+              slideshow={"slide_type": "-"})
+    cell.id = "abc"
+    nb = notebook(md("# Title"), cell)
+    before = copy.deepcopy(nb)
+    split = bs.split_at_headings(nb)
+    assert nb == before
+    assert [c.source for c in split.cells] == [
+        "# Title", "Closing words of section 1.",
+        "## 2. Next section\n\nIts text.\n```python\n# a comment, not a heading\n```",
+        "### A detail\nMore."]
+    assert " ".join(c.source for c in split.cells[1:]).split() == cell.source.split()  # same words
+    assert split.cells[1].metadata == cell.metadata and split.cells[2].metadata == {}
+    assert [c.id for c in split.cells[1:]] == ["abc", "abc-1", "abc-2"]
+    assert bs.slide_types(split) == ["slide", "-", "slide", "subslide"]
+
+
 def test_a_long_demo_is_split_but_a_short_one_is_not():
     short = notebook(md("## S"), code("a"), code("b"), code("c"))
     assert bs.slide_types(short) == ["slide", "-", "-", "-"]
@@ -198,7 +217,7 @@ def test_each_chapter_has_a_self_contained_deck_with_its_figures(decks, chapter)
         assert all(model_id in models for model_id in views)
 
     # The deck has the structure the rules give: <section> per slide and per (sub)slide.
-    types = bs.slide_types(nb)
+    types = bs.slide_types(bs.split_at_headings(nb))
     slides, subslides = types.count("slide"), types.count("subslide")
     assert types[0] == "slide" and slides >= 2
     assert page.count("<section") == 2 * slides + subslides

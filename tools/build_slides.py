@@ -9,6 +9,9 @@ The notebooks are never edited: slide types are decided here, at export time, on
 Slide rules (a cell that already has ``metadata.slideshow.slide_type`` keeps it; the rules
 only fill in the cells that have none):
 
+0. A markdown cell with a ``#``, ``##`` or ``###`` heading below its first line is first cut
+   in two before that heading (on the copy; the words are unchanged), so that a heading at
+   the end of a paragraph still opens its own slide.
 1. A markdown cell whose first line is a ``# `` or ``## `` heading starts a **slide**.
 2. A markdown cell that opens an exercise is a **fragment**, so the exercises of a slide
    appear one press at a time (the code cells after it stay in that fragment). It opens an
@@ -203,6 +206,42 @@ def slide_types(nb) -> list[str]:
     return types
 
 
+_FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+def split_at_headings(nb):
+    """A copy of ``nb`` where markdown cells are cut before each heading (levels 1-3) that is
+    not their first line; headings inside fenced code blocks are left alone. The first piece
+    keeps the cell's metadata; the others start with none, so the rules decide their type."""
+    out = copy.deepcopy(nb)
+    cells = []
+    for cell in out.cells:
+        if cell.cell_type != "markdown":
+            cells.append(cell)
+            continue
+        pieces, current, in_fence = [], [], False
+        for line in cell.source.splitlines(keepends=True):
+            if _FENCE.match(line):
+                in_fence = not in_fence
+            if (not in_fence and re.match(r"^#{1,3}\s", line)
+                    and any(l.strip() for l in current)):
+                pieces.append("".join(current))
+                current = []
+            current.append(line)
+        pieces.append("".join(current))
+        for k, text in enumerate(pieces):
+            piece = copy.deepcopy(cell) if k == 0 else nbformat.v4.new_markdown_cell()
+            piece.source = text.rstrip("\n") if k < len(pieces) - 1 else text
+            if k:
+                if "attachments" in cell:
+                    piece.attachments = copy.deepcopy(cell.attachments)
+                if "id" in cell:
+                    piece.id = f"{cell.id}-{k}"
+            cells.append(piece)
+    out.cells = cells
+    return out
+
+
 def mark_slides(nb):
     """A copy of ``nb`` with ``metadata.slideshow.slide_type`` set on every cell."""
     marked = copy.deepcopy(nb)
@@ -251,7 +290,7 @@ def export_deck(notebook: Path, out_dir: Path) -> Path:
     nb = nbformat.read(notebook, as_version=4)
     nb = embed_local_images(nb, notebook.parent, notebook.parent.parent)
     body, _ = exporter.from_notebook_node(
-        mark_slides(nb), resources={"metadata": {"name": notebook.stem, "path": str(notebook.parent)}})
+        mark_slides(split_at_headings(nb)), resources={"metadata": {"name": notebook.stem, "path": str(notebook.parent)}})
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / f"{notebook.stem}.slides.html"
     target.write_text(body, encoding="utf-8")
