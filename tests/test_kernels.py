@@ -278,30 +278,70 @@ def test_draw_slots_draws_every_slot_and_rejects_short_tables():
 
 GPU_COMPILE_SCRIPT = r'''
 import os
+import re
 os.environ["TRITON_INTERPRET"] = "0"            # decorate for a GPU, even on a CPU-only machine
-from triton import compile as triton_compile
-from triton.backends.compiler import GPUTarget
+import torch
+import triton
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 from course_pkg.kernels import triton_kernels as tk
 
-def build(fn, pointers, consts, capability, **options):
-    sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "qk_scale" else "i32")
-           for n in fn.arg_names}
-    kernel = triton_compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                            target=GPUTarget("cuda", capability, 32), options=options)
-    assert "ld.global" in kernel.asm["ptx"] and kernel.asm["cubin"]
+# Call the real wrappers with CPU tensors standing in for CUDA ones (only dtypes, strides and
+# alignment matter), capture each launch, and compile it the way Triton's launcher would:
+# ints equal to 1 become constants, pointers and ints divisible by 16 are marked so.
+tk._check_devices = lambda **tensors: None
+launches = []
+for kernel in (tk._paged_attention_kernel, tk._merge_splits_kernel, tk._store_kvcache_kernel):
+    kernel.run = lambda *args, grid, warmup, kernel=kernel, **kw: launches.append((kernel, args, kw))
 
-meta = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32"}
-decode = dict(GROUP=4, NUM_SPLITS=1, UPCAST=False, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128)
-bf16 = {n: "*bf16" for n in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "part_out_ptr", "part_ml_ptr")}
-build(tk._paged_attention_kernel, {**bf16, **meta}, decode, 90, num_warps=4, num_stages=3)   # H100/H200
-prefill = dict(GROUP=2, NUM_SPLITS=3, UPCAST=False, BLOCK_M=64, BLOCK_N=32, BLOCK_D=64)
-fp32 = {n: "*fp32" for n in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "part_out_ptr", "part_ml_ptr")}
-build(tk._paged_attention_kernel, {**fp32, **meta}, prefill, 90)
-build(tk._merge_splits_kernel, {"out_ptr": "*fp16", "part_out_ptr": "*fp32", "part_ml_ptr": "*fp32"},
-      dict(NUM_SPLITS=3, BLOCK_S=4, BLOCK_D=64), 90)
-build(tk._store_kvcache_kernel, {n: "*bf16" for n in ("key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr")}
-      | {"slot_mapping_ptr": "*i64"}, dict(BLOCK_H=8, BLOCK_D=128), 90)
+def compile_like_launch(kernel, args, kwargs, capability=90):
+    kwargs = dict(kwargs)
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    bound = kernel.signature.bind(*args, **kwargs)
+    sig, consts, attrs = {}, {}, {}
+    for i, (name, value) in enumerate(bound.arguments.items()):
+        if kernel.params[i].is_constexpr:
+            sig[name], consts[(i,)] = "constexpr", value
+            continue
+        ty, spec = native_specialize_impl(BaseBackend, value, False, True, True)
+        sig[name] = ty
+        if ty == "constexpr":
+            consts[(i,)] = spec
+        elif spec == "D":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(kernel, sig, consts, attrs),
+                          target=GPUTarget("cuda", capability, 32), options=options).asm["ptx"]
+
+def wide_loads(ptx):
+    """16-byte global loads: vectorised (ld.global.v4) or asynchronous copies of 16 bytes."""
+    return len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4\.b32|cp\.async\.cg\.shared\.global", ptx))
+
+# decode, bf16, Llama-3-8B-like heads: the benchmark's kernel
+q = torch.empty(64, 32, 128, dtype=torch.bfloat16)
+k_cache = torch.empty(64 * 8, 16, 8, 128, dtype=torch.bfloat16)
+tables = torch.zeros(64, 8, dtype=torch.int32)
+lens = torch.full((64,), 128, dtype=torch.int32)
+tk.launch_paged_attention(torch.empty_like(q), q, k_cache, k_cache, tables, lens,
+                          torch.arange(65, dtype=torch.int32), 0.1, max_q_len=1)
+decode = compile_like_launch(*launches.pop())
+assert wide_loads(decode) >= 8, "decode: K/V rows are not read with 16-byte loads"
+
+# prefill over a cached prefix, fp32, split into 3 chunks: the kernel and the merge
+q = torch.empty(40, 4, 64)
+k_cache = torch.empty(12, 16, 2, 64)
+tk.launch_paged_attention(torch.empty_like(q), q, k_cache, k_cache, torch.zeros(2, 6, dtype=torch.int32),
+                          torch.tensor([50, 30], dtype=torch.int32), torch.tensor([0, 20, 40], dtype=torch.int32),
+                          0.1, max_q_len=20, num_splits=3)
+merge = compile_like_launch(*launches.pop())
+prefill = compile_like_launch(*launches.pop())
+
+# store, fp16
+kv = torch.empty(5, 8, 128, dtype=torch.float16)
+cache = torch.empty(4, 16, 8, 128, dtype=torch.float16)
+tk.store_kvcache(kv, kv, cache, cache, torch.arange(5))
+store = compile_like_launch(*launches.pop())
+assert wide_loads(store) >= 2, "store: rows are not copied with 16-byte loads"
 print("compiled 4 kernels")
 '''
 
@@ -309,7 +349,9 @@ print("compiled 4 kernels")
 def test_kernels_compile_for_nvidia_gpus(tmp_path):
     """The interpreter never runs Triton's GPU compiler; this does, ahead of time, for sm_90
     (Triton ships ptxas), so a kernel that only the interpreter accepts -- a tl.dot tile
-    under 16, mismatched dot dtypes, a non-constexpr shape -- fails here too."""
+    under 16, mismatched dot dtypes, a non-constexpr shape -- fails here too. It also checks
+    that K/V rows are read with 16-byte loads: the first thing to lose when an address
+    computation hides the contiguity of head_dim."""
     import subprocess
     import sys
 
