@@ -21,9 +21,9 @@ PREFIXES = [[], [1, 2, 1, 2], [1, 2, 1, 2, 3, 3], [2, 1, 2, 1], [1, 2]]
 
 class BlockManagerMachine(RuleBasedStateMachine):
     @initialize(block_size=st.integers(1, 4), num_blocks=st.integers(1, 14),
-                caching=st.booleans())
-    def setup(self, block_size, num_blocks, caching):
-        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
+                caching=st.booleans(), free_queue=st.sampled_from(["deque", "linked"]))
+    def setup(self, block_size, num_blocks, caching, free_queue):
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching, free_queue=free_queue)
         self.block_size = block_size
         self.live: list[Sequence] = []       # hold blocks
         self.preempted: list[Sequence] = []  # released, waiting to be admitted again
