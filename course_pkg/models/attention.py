@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache: ``AttentionMetadata`` and the per-layer ``Attention``.
+"""Attention over the paged KV cache: ``AttentionMetadata`` and ``attend``, run by every layer.
 
 One forward pass runs a *flat batch*: the new tokens of several sequences laid end to end
 (``[N, ...]``, no padding). ``AttentionMetadata`` tells every layer where each sequence's
@@ -66,6 +66,8 @@ class AttentionMetadata:
             cu = self.cu_seqlens_q.tolist()
             ctx = self.context_lens.tolist()
             q_lens = [cu[i + 1] - cu[i] for i in range(len(ctx))]
+            if cu[0] != 0 or min(q_lens, default=0) < 0:
+                raise ValueError(f"cu_seqlens_q must start at 0 and never decrease, got {cu}")
             for i, (q_len, c) in enumerate(zip(q_lens, ctx)):
                 if q_len > c:
                     raise ValueError(f"sequence {i}: {q_len} query tokens but context_len {c}")
