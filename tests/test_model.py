@@ -197,8 +197,8 @@ def test_without_cache_equals_with_cache(checkpoint):
 
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), block_size=st.sampled_from([1, 2, 3, 4, 16]), group=st.sampled_from([1, 2, 4]),
-       num_seqs=st.integers(1, 5))
-def test_torch_paged_attention_equals_reference(data, block_size, group, num_seqs):
+       num_seqs=st.integers(1, 5), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_torch_paged_attention_equals_reference(data, block_size, group, num_seqs, dtype):
     kv_heads, dim = 2, 8
     ctx = [data.draw(st.integers(1, 40)) for _ in range(num_seqs)]
     q_lens = [data.draw(st.integers(0, c)) for c in ctx]   # 0 = sequence not in this step
@@ -217,11 +217,11 @@ def test_torch_paged_attention_equals_reference(data, block_size, group, num_seq
              for t, c, q in zip(tables, ctx, q_lens) for p in range(c - q, c)]
     slot_mapping = torch.tensor(slots, dtype=torch.long).reshape(-1)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
-    q = torch.randn(total, kv_heads * group, dim, generator=g)
-    key = torch.randn(total, kv_heads, dim, generator=g)
-    value = torch.randn(total, kv_heads, dim, generator=g)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    q = torch.randn(total, kv_heads * group, dim, generator=g).to(dtype)
+    key = torch.randn(total, kv_heads, dim, generator=g).to(dtype)
+    value = torch.randn(total, kv_heads, dim, generator=g).to(dtype)
     attn = AttentionMetadata(slot_mapping, block_tables, torch.tensor(ctx, dtype=torch.int32), cu,
                              max(q_lens), max(ctx))
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
@@ -230,7 +230,9 @@ def test_torch_paged_attention_equals_reference(data, block_size, group, num_seq
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
     expected = paged_attention_ref(q, *caches[0], block_tables, attn.context_lens, cu, dim ** -0.5)
     got = paged_attention_torch(q, *caches[1], attn, dim ** -0.5, key, value)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2     # bf16 keeps ~3 significant digits
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
 
 
 def test_store_skips_padding_slots():

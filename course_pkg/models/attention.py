@@ -138,7 +138,8 @@ def _attend_one(q, k, v, scale: float) -> torch.Tensor:
     if q_len == 1:
         qg = q.reshape(num_kv_heads, group, dim).to(k.dtype)          # [kv_heads, group, dim]
         scores = torch.matmul(qg, k.permute(1, 2, 0)).mul_(scale)     # [kv_heads, group, ctx]
-        out = torch.matmul(scores.softmax(-1), v.transpose(0, 1))     # [kv_heads, group, dim]
+        probs = scores.float().softmax(-1).to(v.dtype)                # softmax in float32
+        out = torch.matmul(probs, v.transpose(0, 1))                  # [kv_heads, group, dim]
         return out.reshape(1, num_heads, dim)
     if q_len == context_len:
         mask, causal = None, True
