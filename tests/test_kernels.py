@@ -238,6 +238,21 @@ def test_attention_bad_input_raises():
         launch_paged_attention(torch.empty(1, 4, 32, device=DEVICE), **args, max_q_len=2)
 
 
+def test_importing_triton_before_the_interpreter_switch_fails_clearly():
+    """Set the switch after triton.language was imported: the import must say what to do."""
+    import subprocess
+    import sys
+
+    script = ("import os, triton.language\n"
+              "os.environ['TRITON_INTERPRET'] = '1'\n"
+              "from course_pkg.kernels import triton_kernels\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                            timeout=120)
+    assert result.returncode != 0
+    assert "ImportError: triton was imported before TRITON_INTERPRET=1 was set" in result.stderr
+
+
 def test_interpreter_is_chosen_exactly_when_cuda_is_missing():
     if not torch.cuda.is_available():
         assert tk.INTERPRET and os.environ["TRITON_INTERPRET"] == "1"

@@ -8,9 +8,12 @@ physical block ``block_table[t // block_size]`` at offset ``t % block_size``.
 Running without a GPU. Triton's interpreter executes the kernels on the CPU, program after
 program, with numpy. It is chosen by the environment variable ``TRITON_INTERPRET=1``, which
 Triton reads when ``@triton.jit`` decorates a function -- so it must be set before this module
-runs its decorators. This module sets it itself (unless you set it) when torch sees no CUDA
-device. To debug on a GPU machine with the interpreter, start Python with
-``TRITON_INTERPRET=1`` in the environment (and pass CPU tensors).
+runs its decorators, and before anything imports ``triton.language`` (whose own helpers,
+``tl.zeros`` and friends, are jit functions decorated on first import). This module sets it
+itself (unless you set it) when torch sees no CUDA device, and raises a clear ImportError if
+triton was imported too early. The safe ways: import this module (or ``course_pkg.models``)
+before transformers, or put ``TRITON_INTERPRET=1`` in the environment. To debug on a GPU
+machine with the interpreter, start Python with ``TRITON_INTERPRET=1`` (and pass CPU tensors).
 
 Three interpreter facts shape the code. Its bfloat16 arithmetic is wrong (values are held as
 raw 16-bit integers), so under the interpreter every tile is converted to float32 right
@@ -37,9 +40,21 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+import triton.runtime.interpreter  # noqa: E402
 
 #: True when the kernels run under Triton's CPU interpreter (decided once, at import).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Triton's own helpers (tl.zeros, tl.cdiv, tl.max, ...) are jit functions too, decorated when
+# triton.language is first imported. If that happened before TRITON_INTERPRET=1 was set (for
+# example transformers -> torch._dynamo imported triton first), every launch would fail deep
+# inside the interpreter; say so now, with the fix.
+if INTERPRET and not isinstance(tl.zeros, triton.runtime.interpreter.InterpretedFunction):
+    raise ImportError(
+        "triton was imported before TRITON_INTERPRET=1 was set, so its helpers are compiled for "
+        "a GPU and the interpreter cannot run the kernels. Set TRITON_INTERPRET=1 in the "
+        "environment before starting Python, or import course_pkg.kernels.triton_kernels (or "
+        "course_pkg.models) before anything that imports triton, such as transformers.")
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
