@@ -202,13 +202,17 @@ def test_metrics_preemption_counted_by_hand(hf_model, prompts):
 def test_step_info_describes_each_step():
     llm = LLM(MODEL, block_size=4, num_kvcache_blocks=16, max_num_batched_tokens=6, attention_backend="torch")
     rid = llm.add_request(list(range(3, 13)), SamplingParams(max_tokens=2, **GREEDY))
+    seq = llm.get_sequence(rid)
     llm.step()
+    assert seq.num_cached_tokens == 6 and len(seq.block_table) == 3
     assert llm.last_step.describe({rid: "A"}) == "step 0 prefill (6 tokens): A[0:6]"
     llm.step()
     assert llm.last_step.describe({rid: "A"}) == "step 1 prefill (4 tokens): A[6:10]"
     finished = llm.step()
-    assert llm.last_step.describe({rid: "A"}) == "step 2 decode (1 tokens): A[10:11]; finished A"
+    assert llm.last_step.describe({rid: "A"}) == "step 2 decode (1 token): A[10:11]; finished A"
     assert [o.request_id for o in finished] == [rid] and not llm.has_unfinished_requests()
+    with pytest.raises(KeyError, match="no unfinished request"):
+        llm.get_sequence(rid)
 
 
 # ---------------------------------------------------------------- clear errors, nothing queued

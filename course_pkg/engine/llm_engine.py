@@ -110,7 +110,8 @@ class StepInfo:
 
         kind = "prefill" if self.is_prefill else "decode"
         parts = [f"{name(r)}[{p}:{p + n}]" for r, p, n in self.scheduled]
-        text = f"step {self.step} {kind} ({self.num_tokens} tokens): " + (", ".join(parts) or "nothing")
+        n = self.num_tokens
+        text = f"step {self.step} {kind} ({n} token{'' if n == 1 else 's'}): " + (", ".join(parts) or "nothing")
         if self.preempted:
             text += "; preempted " + ", ".join(name(r) for r in self.preempted)
         if self.finished:
@@ -211,6 +212,12 @@ class LLMEngine:
         self._requests[seq.seq_id] = _Request(seq, prompt if isinstance(prompt, str) else None,
                                               RequestMetrics(arrival_time=time.perf_counter()))
         return seq.seq_id
+
+    def get_sequence(self, request_id: int) -> Sequence:
+        """The live Sequence of an unfinished request (to watch its block table)."""
+        if request_id not in self._requests:
+            raise KeyError(f"no unfinished request with id {request_id}")
+        return self._requests[request_id].seq
 
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished()
