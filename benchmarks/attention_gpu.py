@@ -182,7 +182,7 @@ class DecodePoint:
         try:
             F.scaled_dot_product_attention(q, k, v, scale=HEAD_DIM ** -0.5, enable_gqa=True)
             return lambda: F.scaled_dot_product_attention(q, k, v, scale=HEAD_DIM ** -0.5, enable_gqa=True)
-        except TypeError:                                         # torch < 2.5: no enable_gqa
+        except (TypeError, RuntimeError):       # torch < 2.5 has no enable_gqa: repeat the KV heads
             group = NUM_HEADS // NUM_KV_HEADS
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
             return lambda: F.scaled_dot_product_attention(q, k, v, scale=HEAD_DIM ** -0.5)
@@ -254,6 +254,8 @@ def main() -> int:
             sdpa = f"{sdpa_ms * 1e3:9.1f} {point.bytes / sdpa_ms / 1e6:6.0f} {sdpa_ms / ms:10.2f}x"
         except torch.cuda.OutOfMemoryError:
             sdpa = f"{'(no memory for the gathered copy)':>28}"
+        except RuntimeError as exc:             # no SDPA backend for this shape: say which
+            sdpa = f"  SDPA failed: {str(exc).splitlines()[0][:60]}"
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
         print(f"{batch:>5} {context:>7} {point.num_splits:>6} {ms * 1e3:10.1f} {gbs:6.0f} "

@@ -116,6 +116,24 @@ def test_store_kvcache_matches_reference_and_skips_minus_one(dtype, seed):
     assert torch.equal(flat[untouched], garbage.view(-1, kv_heads, head_dim)[untouched])
 
 
+def test_layers_are_views_into_one_preallocated_tensor(seed):
+    """The engine allocates one [2, num_layers, ...] tensor; each layer's caches are views.
+    Writing and reading layer 1 must leave layer 0 alone."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_cache = torch.full((2, 2, 4, 3, 2, 16), float("nan"), device=DEVICE)
+    k1, v1 = kv_cache[0, 1], kv_cache[1, 1]
+    key, value = torch.randn(2, 7, 2, 16, generator=gen).to(DEVICE)
+    slots = torch.tensor([9, 10, 11, 3, 4, 5, 6], device=DEVICE)        # blocks 3, 1, 2 of 3 slots
+    store_kvcache(key, value, k1, v1, slots)
+    assert kv_cache[:, 0].isnan().all(), "layer 0 was written"
+    assert torch.equal(k1.reshape(-1, 2, 16)[slots], key) and torch.equal(v1.reshape(-1, 2, 16)[slots], value)
+    args = dict(q=torch.randn(2, 4, 16, generator=gen).to(DEVICE), k_cache=k1, v_cache=v1,
+                block_tables=torch.tensor([[3, 1, 2]], dtype=torch.int32, device=DEVICE),
+                context_lens=torch.tensor([7], dtype=torch.int32, device=DEVICE),
+                cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32, device=DEVICE), scale=0.25)
+    assert_close(run_poisoned(args), args, seed, "layer view")
+
+
 def test_store_kvcache_all_padding_changes_nothing(seed):
     gen = torch.Generator().manual_seed(seed)
     k_cache = torch.randn(3, 4, 2, 16, generator=gen).to(DEVICE)
