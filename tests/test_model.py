@@ -340,3 +340,20 @@ def test_load_model_dtype_and_bad_input():
     assert all(not k.any() and not v.any() for k, v in caches)      # nothing was written
     with pytest.raises(ValueError, match="kv_caches has 1 entries for 4 layers"):
         model(torch.tensor([1, 2]), torch.tensor([0, 1]), too_many_queries, caches[:1])
+
+
+def test_random_checkpoint_is_seeded_and_its_greedy_output_varied(tmp_path, hf_logging_quiet):
+    """The benchmark's model: same seed, same bytes; and at initializer_range 0.4 its greedy
+    continuation does not collapse onto one token (at 0.02 it does)."""
+    from transformers import AutoModelForCausalLM
+    a = build_random_checkpoint(tmp_path / "a", seed=5, **SMALL)
+    b = build_random_checkpoint(tmp_path / "b", seed=5, **SMALL)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    # the tiny tokenizer (1024 ids) does not fit a 320-token vocabulary: none is copied
+    assert not (a / "tokenizer.json").exists() and load_model(a)[2] is None
+    assert (build_random_checkpoint(tmp_path / "c", **{**SMALL, "vocab_size": 1024}) / "tokenizer.json").is_file()
+    hf = AutoModelForCausalLM.from_pretrained(str(a), dtype=torch.float32).eval()
+    prompt = torch.tensor([random_prompts(SMALL["vocab_size"], [8], seed=0)[0]])
+    with torch.no_grad():
+        out = hf.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None)[0, 8:]
+    assert len(set(out.tolist())) >= 8
