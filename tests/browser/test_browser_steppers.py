@@ -1,6 +1,7 @@
 """A student opens a chapter in JupyterLab, runs it, and steps through a recording.
 
-For each chapter: Run All Cells, then on its first stepper with at least three steps press
+Chapter 02 steps through BlockManager calls; chapter 06 through the engine's steps (the
+Recorder's snapshots after each scheduler/model step). For each chapter: Run All Cells, then on its first stepper with at least three steps press
 next, next, previous, drag the slider to the end (a click on the track) and nudge it back with
 the keyboard. After every action the label, the printed state and the drawn figure must all be
 those of the right step, as computed by the kernel (see stepper_checks.py). Screenshots of the
@@ -13,7 +14,7 @@ import pytest
 from labdriver import NOTEBOOKS
 from stepper_checks import load_chapter
 
-CHAPTERS = ["02_block_manager.ipynb"]
+CHAPTERS = ["02_block_manager.ipynb", "06_engine.ipynb"]
 
 
 def exercise(stepper) -> None:
