@@ -256,6 +256,17 @@ def test_attention_bad_input_raises():
         launch_paged_attention(torch.empty(1, 4, 32, device=DEVICE), **args, max_q_len=2)
 
 
+def test_references_import_without_triton():
+    """The engine's CPU path imports course_pkg.kernels; that must not pull in triton."""
+    import subprocess
+    import sys
+
+    script = ("import sys, course_pkg.kernels, course_pkg.kernels.reference\n"
+              "assert 'triton' not in sys.modules, 'triton was imported'\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 def test_importing_triton_before_the_interpreter_switch_fails_clearly():
     """Set the switch after triton.language was imported: the import must say what to do."""
     import subprocess
