@@ -254,6 +254,9 @@ def test_attention_bad_input_raises():
         paged_attention(**{**args, "context_lens": torch.tensor([9], dtype=torch.int32, device=DEVICE)})
     with pytest.raises(ValueError, match="out must match"):
         launch_paged_attention(torch.empty(1, 4, 32, device=DEVICE), **args, max_q_len=2)
+    if tk.INTERPRET:   # checked only where it costs no device-to-host copy
+        with pytest.raises(ValueError, match="max_q_len=1"):
+            launch_paged_attention(torch.empty_like(args["q"]), **args, max_q_len=1)
 
 
 def test_references_import_without_triton():

@@ -47,7 +47,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # Triton's own helpers (tl.zeros, tl.cdiv, tl.max, ...) are jit functions too, decorated when
 # triton.language is first imported. If that happened before TRITON_INTERPRET=1 was set (for
-# example transformers -> torch._dynamo imported triton first), every launch would fail deep
+# example through torch._dynamo), every launch would fail deep
 # inside the interpreter; say so now, with the fix.
 if INTERPRET and not isinstance(tl.zeros, triton.runtime.interpreter.InterpretedFunction):
     raise ImportError(
@@ -304,6 +304,9 @@ def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     num_seqs = context_lens.shape[0]
+    if INTERPRET and num_seqs and max_q_len < int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()):
+        # a broken promise would leave rows unwritten; on the CPU checking it costs nothing
+        raise ValueError(f"max_q_len={max_q_len} is smaller than the longest q_len in cu_seqlens_q")
     if total_q == 0 or max_q_len <= 0:
         return out
     # tl.dot needs every tile side >= 16 on GPUs; the interpreter uses the same sizes.
