@@ -27,6 +27,16 @@ MODEL = default_model_path()
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model gains nothing from threads; on a loaded 2-core machine, 2 threads made
+    its steps 30x slower (they wait for each other). Restored after this module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def make_prompts(vocab_size: int) -> list[list[int]]:
     """18 prompts of 1 to 70 tokens; groups share 20- and 37-token prefixes."""
     rng = random.Random(1234)
