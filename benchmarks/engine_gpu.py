@@ -79,6 +79,7 @@ def run_engine(path, workload, args):
             f"{llm.block_size} tokens ({llm.model_runner.kv_cache_bytes / 2**30:.1f} GiB), "
             f"{m.num_prefill_steps} prefill + {m.num_decode_steps} decode steps, {m.num_preemptions} preemptions")
     del llm
+    __import__("gc").collect()           # free the KV cache before HF allocates its own
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return [o.token_ids for o in outputs], elapsed, info

@@ -24,6 +24,9 @@ from course_pkg.models import default_model_path
 from course_pkg.sequence import Sequence
 
 MODEL = default_model_path()
+# Every engine here runs where the oracle does: float32 on the CPU (a GPU machine would
+# otherwise default to CUDA and bfloat16). Only the Triton case uses CUDA when present.
+CPU = dict(device="cpu", dtype=torch.float32)
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
@@ -107,7 +110,7 @@ CONFIGS = {
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_generate_equals_huggingface(name, prompts, expected):
     config = CONFIGS[name]
-    llm = LLM(MODEL, attention_backend="torch", **config)
+    llm = LLM(MODEL, **CPU, attention_backend="torch", **config)
     outputs = generate(llm, prompts)
     for i, out in enumerate(outputs):
         assert out.prompt_token_ids == prompts[i]
@@ -131,7 +134,7 @@ def test_greedy_generate_equals_huggingface(name, prompts, expected):
 
 def test_second_pass_is_served_from_the_prefix_cache(prompts, expected):
     """The same prompts again: every full block but the one with the last token is a hit."""
-    llm = LLM(MODEL, block_size=4, num_kvcache_blocks=600, attention_backend="torch")
+    llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=600, attention_backend="torch")
     generate(llm, prompts)
     again = generate(llm, prompts)
     for i, out in enumerate(again):
@@ -142,7 +145,10 @@ def test_second_pass_is_served_from_the_prefix_cache(prompts, expected):
 def test_triton_backend_under_the_interpreter_equals_huggingface(hf_model, prompts):
     short = [prompts[2], prompts[9][:6]]                 # 5 and 6 tokens, 3 new tokens each
     expected = [hf_greedy(hf_model, p, 3) for p in short]
-    llm = LLM(MODEL, block_size=4, num_kvcache_blocks=8, attention_backend="triton")
+    # Under Triton's interpreter on a CPU; with the real kernels where CUDA is present.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(MODEL, device=device, dtype=torch.float32, block_size=4, num_kvcache_blocks=8,
+              attention_backend="triton")
     assert llm.model_runner.attention_backend == "triton"
     outputs = llm.generate(short, SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)
     assert [o.token_ids for o in outputs] == expected
@@ -150,7 +156,7 @@ def test_triton_backend_under_the_interpreter_equals_huggingface(hf_model, promp
 
 def test_one_forward_logits_match_huggingface(hf_model, prompts):
     """Logits at every position of a prompt computed through the paged cache, vs HF's."""
-    llm = LLM(MODEL, block_size=4, num_kvcache_blocks=32, attention_backend="torch")
+    llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=32, attention_backend="torch")
     runner = llm.model_runner
     prompt = prompts[7]
     seq = Sequence(prompt, SamplingParams(**GREEDY), block_size=4)
@@ -164,7 +170,7 @@ def test_one_forward_logits_match_huggingface(hf_model, prompts):
 
 
 def test_default_model_generates_text():
-    llm = LLM(num_kvcache_blocks=64, attention_backend="torch")
+    llm = LLM(num_kvcache_blocks=64, attention_backend="torch", **CPU)
     out = llm.generate(["Once upon a time", "The"], SamplingParams(temperature=0.0, max_tokens=12),
                        use_tqdm=False)
     assert all(isinstance(o.text, str) and o.token_ids for o in out)
@@ -174,7 +180,7 @@ def test_default_model_generates_text():
 # ---------------------------------------------------------------- metrics counted by hand
 
 def test_metrics_prefix_hits_counted_by_hand(prompts, expected):
-    llm = LLM(MODEL, block_size=4, num_kvcache_blocks=16, attention_backend="torch")
+    llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=16, attention_backend="torch")
     a = prompts[10][:10]
     b = prompts[10][:8] + [5, 6, 7]                  # shares a's first 8 tokens = 2 blocks
     out_a = llm.generate(a, SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)[0]
@@ -198,7 +204,7 @@ def test_metrics_preemption_counted_by_hand(hf_model, prompts):
     """4 blocks of 4 tokens, two 8-token prompts: b is preempted once, and on its return
     finds only its first block, because a's third block overwrote b's second."""
     a, b = prompts[7][:8], prompts[8][:8]
-    llm = LLM(MODEL, block_size=4, num_kvcache_blocks=4, attention_backend="torch")
+    llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=4, attention_backend="torch")
     outs = llm.generate([a, b], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)
     assert [o.token_ids for o in outs] == [hf_greedy(hf_model, a, 3), hf_greedy(hf_model, b, 3)]
     m = llm.get_metrics()
@@ -210,7 +216,7 @@ def test_metrics_preemption_counted_by_hand(hf_model, prompts):
 
 
 def test_step_info_describes_each_step():
-    llm = LLM(MODEL, block_size=4, num_kvcache_blocks=16, max_num_batched_tokens=6, attention_backend="torch")
+    llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=16, max_num_batched_tokens=6, attention_backend="torch")
     rid = llm.add_request(list(range(3, 13)), SamplingParams(max_tokens=2, **GREEDY))
     seq = llm.get_sequence(rid)
     llm.step()
@@ -229,7 +235,7 @@ def test_step_info_describes_each_step():
 
 @pytest.fixture(scope="module")
 def small_llm():
-    return LLM(MODEL, block_size=4, num_kvcache_blocks=8, max_model_len=64, attention_backend="torch")
+    return LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=8, max_model_len=64, attention_backend="torch")
 
 
 @pytest.mark.parametrize("prompt, message", [
@@ -264,19 +270,19 @@ def test_bad_sampling_params_raise(kwargs, message):
 
 def test_bad_engine_settings_raise():
     with pytest.raises(ValueError, match="max_model_len"):
-        LLM(MODEL, max_model_len=10**7, num_kvcache_blocks=8)
+        LLM(MODEL, **CPU, max_model_len=10**7, num_kvcache_blocks=8)
     with pytest.raises(ValueError, match="attention_backend"):
-        LLM(MODEL, attention_backend="cuda-magic", num_kvcache_blocks=8)
+        LLM(MODEL, **CPU, attention_backend="cuda-magic", num_kvcache_blocks=8)
     with pytest.raises(ValueError, match="leaves room for no KV block"):
-        LLM(MODEL, kv_cache_memory_bytes=100)
+        LLM(MODEL, **CPU, kv_cache_memory_bytes=100)
     with pytest.raises(ValueError, match="block_size"):
-        LLM(MODEL, block_size=0, num_kvcache_blocks=8)
+        LLM(MODEL, **CPU, block_size=0, num_kvcache_blocks=8)
 
 
 # ---------------------------------------------------------------- the model runner
 
 def test_kv_cache_sized_from_a_byte_budget():
-    llm = LLM(MODEL, block_size=16, kv_cache_memory_bytes=3 * 2**20, attention_backend="torch")
+    llm = LLM(MODEL, **CPU, block_size=16, kv_cache_memory_bytes=3 * 2**20, attention_backend="torch")
     c, runner = llm.config, llm.model_runner
     block_bytes = 2 * c.num_hidden_layers * 16 * c.num_key_value_heads * c.head_dim * 4
     assert runner.block_bytes == block_bytes
@@ -287,7 +293,7 @@ def test_kv_cache_sized_from_a_byte_budget():
 
 
 def test_prepare_builds_slots_block_tables_and_logit_rows():
-    llm = LLM(MODEL, block_size=4, num_kvcache_blocks=8, attention_backend="torch")
+    llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=8, attention_backend="torch")
     chunk = Sequence(list(range(3, 13)), block_size=4)           # 10 tokens, blocks [5, 2, 7]
     chunk.block_table, chunk.num_cached_tokens, chunk.num_scheduled_tokens = [5, 2, 7], 3, 3
     decode = Sequence(list(range(3, 9)), block_size=4)          # 6 tokens, newest at position 5
@@ -333,6 +339,15 @@ def test_sampler_is_seeded_and_per_request_seeds_ignore_the_batch():
 
 def test_seeded_generate_is_reproducible():
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, seed=5)
-    first = LLM(MODEL, num_kvcache_blocks=16).generate(["The"], params, use_tqdm=False)[0].token_ids
-    second = LLM(MODEL, num_kvcache_blocks=16).generate(["The"], params, use_tqdm=False)[0].token_ids
+    first = LLM(MODEL, **CPU, num_kvcache_blocks=16).generate(["The"], params, use_tqdm=False)[0].token_ids
+    second = LLM(MODEL, **CPU, num_kvcache_blocks=16).generate(["The"], params, use_tqdm=False)[0].token_ids
     assert first == second
+
+
+def test_auto_backend_is_triton_on_cuda_and_torch_elsewhere():
+    from course_pkg.engine.model_runner import resolve_backend
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve_backend("auto", torch.device("cuda")) == "triton"
+    assert resolve_backend("torch", torch.device("cuda")) == "torch"
+    with pytest.raises(ValueError, match="attention_backend"):
+        resolve_backend("flash", torch.device("cpu"))
