@@ -169,10 +169,10 @@ def test_one_forward_logits_match_huggingface(hf_model, prompts):
     torch.testing.assert_close(logits, ref, atol=2e-4, rtol=1e-4)
 
 
-def test_default_model_generates_text():
+def test_default_model_generates_text(capsys):
     llm = LLM(num_kvcache_blocks=64, attention_backend="torch", **CPU)
-    out = llm.generate(["Once upon a time", "The"], SamplingParams(temperature=0.0, max_tokens=12),
-                       use_tqdm=False)
+    out = llm.generate(["Once upon a time", "The"], SamplingParams(temperature=0.0, max_tokens=12))
+    assert "Generating" in capsys.readouterr().err          # the progress bar, on by default
     assert all(isinstance(o.text, str) and o.token_ids for o in out)
     assert out[0].text == llm.tokenizer.decode(out[0].token_ids, skip_special_tokens=True)
 
