@@ -30,6 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+# Decorate the Triton kernels before transformers imports triton on its own (loading a model
+# imports torch._native.ops, which imports triton); see tests/test_engine.py.
+import course_pkg.kernels.triton_kernels  # noqa: E402,F401
+
 # Qwen3-0.6B's shapes (its config.json), for random weights when no checkpoint is at hand.
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128,
