@@ -351,3 +351,21 @@ def test_auto_backend_is_triton_on_cuda_and_torch_elsewhere():
     assert resolve_backend("torch", torch.device("cuda")) == "torch"
     with pytest.raises(ValueError, match="attention_backend"):
         resolve_backend("flash", torch.device("cpu"))
+
+
+def test_stop_tokens_come_from_config_and_generation_config(tmp_path):
+    """A stop id listed only in generation_config.json ends generation, with reason "stop"."""
+    import json
+    from course_pkg.models import copy_default_model
+    prompt = [5, 6, 7, 8]
+    ref = LLM(MODEL, **CPU, num_kvcache_blocks=16).generate(prompt, SamplingParams(max_tokens=12, **GREEDY),
+                                                            use_tqdm=False)[0].token_ids
+    stop = next(i for i in range(2, 12) if ref[i] not in ref[:i] and 0 not in ref[:i + 1])
+    path = copy_default_model(tmp_path / "model")
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen["eos_token_id"] = [ref[stop], 0]
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    llm = LLM(path, **CPU, num_kvcache_blocks=16)
+    assert llm.scheduler.eos_token_ids == {0, ref[stop]}
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
+    assert out.token_ids == ref[:stop + 1] and out.finish_reason == "stop"

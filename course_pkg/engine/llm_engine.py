@@ -13,6 +13,7 @@ names (prefix-cache queries, hits and hit rate, KV cache usage, preemptions, tok
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -155,9 +156,7 @@ class LLMEngine:
             kv_cache_memory_bytes=kv_cache_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
             attention_backend=attention_backend, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, seed=seed)
-        eos = self.config.eos_token_id
-        if eos is None and self.tokenizer is not None:
-            eos = self.tokenizer.eos_token_id
+        eos = stop_token_ids(model, self.config, self.tokenizer)
         self.scheduler = Scheduler(
             self.model_runner.num_kvcache_blocks, block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
@@ -280,6 +279,26 @@ class LLMEngine:
             prompt_tokens=stats.prompt_tokens, generation_tokens=stats.generation_tokens,
             prefill_kv_computed_tokens=stats.prefill_kv_computed_tokens,
             num_prefill_steps=stats.num_prefill_steps, num_decode_steps=stats.num_decode_steps)
+
+
+def _as_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def stop_token_ids(model_path, config, tokenizer) -> list[int]:
+    """End-of-sequence ids: the config's, the checkpoint's ``generation_config.json``'s (chat
+    models such as Qwen3 list several there), else the tokenizer's."""
+    from course_pkg.models import default_model_path
+
+    ids = _as_ids(config.eos_token_id)
+    gen_file = Path(default_model_path() if model_path is None else model_path) / "generation_config.json"
+    if gen_file.is_file():
+        ids += _as_ids(json.loads(gen_file.read_text()).get("eos_token_id"))
+    if not ids and tokenizer is not None:
+        ids = _as_ids(tokenizer.eos_token_id)
+    return sorted(set(ids))
 
 
 @dataclass
