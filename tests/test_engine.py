@@ -277,6 +277,14 @@ def test_bad_engine_settings_raise():
         LLM(MODEL, **CPU, kv_cache_memory_bytes=100)
     with pytest.raises(ValueError, match="block_size"):
         LLM(MODEL, **CPU, block_size=0, num_kvcache_blocks=8)
+    with pytest.raises(ValueError, match="num_kvcache_blocks"):
+        LLM(MODEL, **CPU, num_kvcache_blocks=0)
+    llm = LLM(MODEL, **CPU, num_kvcache_blocks=8)
+    with pytest.raises(TypeError, match="SamplingParams or a list of them, got dict"):
+        llm.generate([5, 6], {"temperature": 0.0}, use_tqdm=False)
+    with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):
+        llm.generate([[5, 6], [7]], [SamplingParams()], use_tqdm=False)
+    assert llm.is_finished()
 
 
 # ---------------------------------------------------------------- the model runner

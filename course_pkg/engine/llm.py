@@ -44,6 +44,9 @@ class LLM(LLMEngine):
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        elif not isinstance(sampling_params, (list, tuple)):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
+                            f"got {type(sampling_params).__name__}")
         elif len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         seqs = []
