@@ -13,10 +13,6 @@ import random
 import pytest
 import torch
 
-# Imported before transformers loads a model: loading one imports torch._native.ops, which
-# imports triton before the kernels module can switch on the interpreter, and triton's own
-# @jit helpers (tl.cdiv) then stay compiled-only and fail under the interpreter.
-import course_pkg.kernels.triton_kernels  # noqa: F401  (decorates the kernels now)
 from course_pkg import LLM, SamplingParams
 from course_pkg.engine import ModelRunner, Sampler
 from course_pkg.engine.sampler import top_p_filter
