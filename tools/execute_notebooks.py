@@ -9,7 +9,9 @@ lets a reader on the web see the widgets' last view.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -34,6 +36,46 @@ def clean(nb: nbformat.NotebookNode) -> None:
         cell.metadata.pop("ExecuteTime", None)
 
 
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def renumber_widgets(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """Replace the widgets' random model ids by numbers given in a fixed order.
+
+    Each run creates new random ids; renumbering them (outputs first, then what they refer to,
+    depth first) makes re-executing an unchanged notebook produce an unchanged file.
+    """
+    state = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+    if not state:
+        return nb
+    order: list[str] = []
+
+    def visit(model_id: str) -> None:
+        if model_id in state and model_id not in order:
+            order.append(model_id)
+            for ref in re.findall(r"IPY_MODEL_([0-9a-f]{32})", json.dumps(state[model_id])):
+                visit(ref)
+
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            view = output.get("data", {}).get(WIDGET_VIEW)
+            if view:
+                visit(view["model_id"])
+    # Models nothing refers to (e.g. a jslink between two widgets) come last, in a stable order.
+    rest = sorted((m for m in state if m not in order),
+                  key=lambda m: (state[m].get("model_name", ""), re.sub(r"[0-9a-f]{32}", "", json.dumps(state[m], sort_keys=True))))
+    for model_id in rest:
+        visit(model_id)
+    text = nbformat.writes(nb)
+    for n, model_id in enumerate(order):
+        text = text.replace(model_id, f"{n + 1:032x}")
+    nb = nbformat.reads(text, as_version=4)
+    widgets = nb.metadata["widgets"][WIDGET_STATE]
+    widgets["state"] = dict(sorted(widgets["state"].items()))
+    return nb
+
+
 def execute(path: Path, timeout: int = 600) -> float:
     nb = nbformat.read(path, as_version=4)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -44,7 +86,7 @@ def execute(path: Path, timeout: int = 600) -> float:
     client.execute()
     elapsed = time.perf_counter() - start
     clean(nb)
-    nbformat.write(nb, path)
+    nbformat.write(renumber_widgets(nb), path)
     return elapsed
 
 
