@@ -266,8 +266,12 @@ class BlockManager:
         prefix blocks last, so the prefix -- the part most likely shared by the next
         request -- is the last to be overwritten: the free queue acts as an LRU.
         """
+        self._check_block_size(seq)
         if not seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} holds no blocks; nothing to deallocate")
+        if any(self.blocks[block_id].ref_count < 1 for block_id in seq.block_table):
+            raise ValueError(f"sequence {seq.seq_id}'s block table {seq.block_table} holds a free "
+                             "block: it was not allocated by this BlockManager, or was already released")
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1

@@ -61,13 +61,25 @@ class Scheduler:
     def __init__(self, num_kvcache_blocks: int, block_size: int = 16, *,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 eos_token_id: int | Iterable[int] | None = None, free_queue: str = "deque"):
+                 eos_token_id: int | Iterable[int] | None = None, free_queue: str = "deque",
+                 block_manager: BlockManager | None = None):
+        """``block_manager``: an existing manager to schedule over (e.g. a course foil such as
+        ``workloads.ForwardReleaseBlockManager``), instead of a new ``BlockManager`` built from
+        ``num_kvcache_blocks``, ``block_size``, ``enable_prefix_caching`` and ``free_queue``.
+        Its pool size and block size must equal ``num_kvcache_blocks`` and ``block_size``;
+        prefix caching and the free queue are then the given manager's own.
+        """
         _positive_int("max_num_seqs", max_num_seqs)
         _positive_int("max_num_batched_tokens", max_num_batched_tokens)
         if max_model_len is not None:
             _positive_int("max_model_len", max_model_len)
-        self.block_manager = BlockManager(num_kvcache_blocks, block_size, enable_prefix_caching,
-                                          free_queue=free_queue)
+        if block_manager is None:
+            block_manager = BlockManager(num_kvcache_blocks, block_size, enable_prefix_caching,
+                                         free_queue=free_queue)
+        elif (block_manager.num_blocks, block_manager.block_size) != (num_kvcache_blocks, block_size):
+            raise ValueError(f"block_manager has {block_manager.num_blocks} blocks of {block_manager.block_size} "
+                             f"tokens, but num_kvcache_blocks={num_kvcache_blocks!r} and block_size={block_size!r}")
+        self.block_manager = block_manager
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -210,8 +222,7 @@ class Scheduler:
         ``token_ids[i]`` is the token sampled for ``seqs[i]``, or None when that sequence
         computed only a chunk of its prompt (there is nothing to sample yet).
         """
-        if len(seqs) != len(token_ids):
-            raise ValueError(f"{len(seqs)} sequences but {len(token_ids)} token ids")
+        self._check_step_results(seqs, token_ids)
         finished = []
         for seq, token_id in zip(seqs, token_ids):
             # The step wrote the K/V of the scheduled tokens: they are cached now, and the
@@ -219,9 +230,7 @@ class Scheduler:
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             self.block_manager.hash_blocks(seq)
-            if token_id is None:
-                if seq.num_cached_tokens == seq.num_tokens:
-                    raise ValueError(f"sequence {seq.seq_id} finished its prefill but got no token")
+            if token_id is None:  # a chunk of a prompt: nothing to sample yet
                 continue
             seq.append_token(token_id)
             self.stats.generation_tokens += 1
@@ -231,6 +240,26 @@ class Scheduler:
                 self.running.remove(seq)
                 finished.append(seq)
         return finished
+
+    def _check_step_results(self, seqs: list[Sequence], token_ids: list[int | None]) -> None:
+        """Raise ``ValueError`` unless the results fit the step ``schedule`` built; change nothing.
+
+        Checked for the whole batch first, so a bad entry cannot leave earlier ones applied.
+        """
+        if len(seqs) != len(token_ids):
+            raise ValueError(f"{len(seqs)} sequences but {len(token_ids)} token ids")
+        if len({id(seq) for seq in seqs}) != len(seqs):
+            raise ValueError("a sequence appears twice in one step's results")
+        for seq, token_id in zip(seqs, token_ids):
+            if seq.num_scheduled_tokens < 1 or not seq.block_table:
+                raise ValueError(f"sequence {seq.seq_id} has no tokens scheduled in this step "
+                                 f"(not scheduled, or its results were already recorded)")
+            completes = seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens
+            if completes and token_id is None:
+                raise ValueError(f"sequence {seq.seq_id} computed its last token but got no sampled token")
+            if not completes and token_id is not None:
+                raise ValueError(f"sequence {seq.seq_id} computed only a chunk of its prompt; "
+                                 f"its token must be None, got {token_id!r}")
 
     def _is_done(self, seq: Sequence, token_id: int) -> bool:
         if not seq.ignore_eos and token_id in self.eos_token_ids:

@@ -78,13 +78,19 @@ def test_block_needed_exactly_when_newest_token_starts_a_block(block_size):
 def test_seed_one_liner_is_wrong_for_block_size_one():
     # The seed's rule `len(seq) % block_size == 1` never fires when block_size == 1,
     # yet with block_size 1 every new token needs a block.
-    bm = BlockManager(num_blocks=4, block_size=1)
+    def seed_rule(seq, block_size):
+        return len(seq) % block_size == 1
+
+    bm = BlockManager(num_blocks=8, block_size=1)
     seq = Sequence([1], block_size=1)
     bm.allocate(seq)
-    seq.append_token(2)
-    assert (len(seq) % 1 == 1) is False
-    bm.may_append(seq)
-    assert len(seq.block_table) == 2
+    for t in range(2, 6):
+        seq.append_token(t)
+        before = len(seq.block_table)
+        bm.may_append(seq)
+        took_block = len(seq.block_table) > before
+        assert took_block and not seed_rule(seq, 1), "every token needs a block; the one-liner says none"
+    assert len(seq.block_table) == len(seq) == 5
 
 
 def test_can_append_equality_cases():
@@ -284,7 +290,15 @@ def test_prefix_caching_disabled_gives_no_hits():
     assert bm.can_allocate(Sequence([1, 2, 3, 4, 5], block_size=2)) == 0
 
 
-def test_compute_hash_is_chained_and_deterministic():
+def test_compute_hash_is_xxhash64_chained_on_the_parent_hash():
+    # An independent statement of the contract: xxhash64 over the parent's hash (8 bytes,
+    # little endian) followed by the token ids as int64.
+    import struct
+
+    import xxhash
+    parent = compute_hash([9, 9])
+    assert parent == xxhash.xxh64(struct.pack("<2q", 9, 9)).intdigest()
+    assert compute_hash([1, 2], parent) == xxhash.xxh64(struct.pack("<Q2q", parent, 1, 2)).intdigest()
     assert compute_hash([1, 2, 3]) == compute_hash([1, 2, 3])
     assert compute_hash([1, 2, 3]) != compute_hash([1, 2, 4])
     parent = compute_hash([9, 9])
@@ -357,3 +371,15 @@ def test_block_size_mismatch_raises_and_changes_nothing():
     bm = BlockManager(num_blocks=4, block_size=2)
     a = Sequence([1, 2, 3], block_size=4)
     _unchanged(bm, [a], lambda: bm.allocate(a), ValueError, "block_size 4")
+
+
+def test_deallocating_a_table_this_manager_did_not_hand_out_raises_and_changes_nothing():
+    bm, a = _prepared()
+    copy = Sequence([1, 2, 3], block_size=2)
+    copy.block_table = list(a.block_table)
+    bm.deallocate(a)
+    _unchanged(bm, [a, copy], lambda: bm.deallocate(copy), ValueError, "holds a free block")
+    other = BlockManager(num_blocks=4, block_size=4)
+    b = Sequence([1, 2, 3], block_size=2)
+    bm.allocate(b)
+    _unchanged(other, [b], lambda: other.deallocate(b), ValueError, "block_size 2")

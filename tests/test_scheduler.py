@@ -404,3 +404,31 @@ def test_the_most_recently_admitted_sequence_is_preempted_first():
     assert sched.preempted == [c] and list(sched.waiting) == [c]
     assert seqs == [a, b]        # c's two blocks went to a and b
     assert list(sched.running) == [a, b]
+
+
+def _sched_state(sched: Scheduler, seqs: list[Sequence]) -> tuple:
+    from dataclasses import astuple
+    return (state(sched.block_manager, seqs), [s.status for s in seqs], [s.seq_id for s in sched.waiting],
+            [s.seq_id for s in sched.running], [s.num_scheduled_tokens for s in seqs], astuple(sched.stats))
+
+
+@pytest.mark.parametrize("bad", ["token_for_a_chunk", "no_token_after_prefill", "twice", "duplicate"])
+def test_postprocess_rejects_results_that_do_not_fit_the_step_and_changes_nothing(bad):
+    sched = Scheduler(8, 2, max_num_batched_tokens=8)
+    long = Sequence([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], SamplingParams(max_tokens=2), block_size=2)
+    short = Sequence([1, 2, 3], SamplingParams(max_tokens=2), block_size=2)
+    sched.add(short)
+    sched.add(long)
+    seqs, is_prefill = sched.schedule()              # short whole (3 tokens), long a 5-token chunk
+    assert is_prefill and seqs == [short, long] and long.num_scheduled_tokens == 5
+    if bad == "twice":
+        sched.postprocess(seqs, [9, None])
+        seqs, tokens = [short], [9]
+    elif bad == "duplicate":
+        seqs, tokens = [short, short], [9, 9]
+    else:
+        tokens = {"token_for_a_chunk": [9, 9], "no_token_after_prefill": [None, None]}[bad]
+    before = _sched_state(sched, [short, long])
+    with pytest.raises(ValueError, match="chunk|no sampled token|no tokens scheduled|twice"):
+        sched.postprocess(seqs, tokens)
+    assert _sched_state(sched, [short, long]) == before

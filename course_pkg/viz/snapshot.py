@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 from course_pkg.block_manager import BlockManager
 from course_pkg.sequence import Sequence
@@ -38,7 +39,11 @@ class Snapshot:
     def is_cached(self, block_id: int) -> bool:
         """Is the block reachable through the hash index (a possible prefix hit)?"""
         b = self.blocks[block_id]
-        return b.hash != -1 and (b.hash, block_id) in set(self.hash_index)
+        return b.hash != -1 and self._index.get(b.hash) == block_id
+
+    @cached_property
+    def _index(self) -> dict[int, int]:
+        return dict(self.hash_index)
 
     def state(self, block_id: int) -> str:
         """'free', 'cached' (free but still in the index), 'exclusive' or 'shared'."""
