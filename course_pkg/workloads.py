@@ -1,15 +1,13 @@
-"""Synthetic request mixes and a model-free serving simulator (chapters 03-04 experiments).
+"""Synthetic request mixes, served by the real Scheduler with a fake model (chapters 03, 04, 07).
 
 The experiments measure the *bookkeeping*: which blocks a request gets, what the prefix
 cache finds, what eviction costs. For that no model is needed. A ``Request`` carries its
 prompt and the tokens the "model" will decode (fixed in advance by the workload, so a
-multi-turn chat can put a previous answer into its next prompt), and the ``Simulator``
-drives ``Sequence`` + ``BlockManager`` through prefill and decode steps the way a
-continuous-batching scheduler does (Nano-vLLM's policy): admit waiting requests first-come
-first-served while blocks and the token budget allow; otherwise run one decode step for
-every running sequence, preempting the newest one when a block is missing. After each step
-the computed tokens are counted in ``num_cached_tokens`` and ``hash_blocks`` registers the
-blocks that became full -- as the scheduler does after the model runs.
+multi-turn chat can put a previous answer into its next prompt). ``WorkloadRun`` hands the
+requests to the package's own ``Scheduler`` (chapter 06) -- admission, chunked prefill and
+preemption are its decisions, not a copy of them -- and answers each step with the request's
+next output token; ``simulate`` does that on a fresh pool and returns what was measured.
+The BlockManager foils of chapters 03 and 04 plug into the same Scheduler.
 
 Workloads (all seeded):
 
@@ -21,12 +19,12 @@ Workloads (all seeded):
 from __future__ import annotations
 
 import random
-from collections import deque
 from dataclasses import dataclass
 
 from course_pkg.block_manager import BlockManager
 from course_pkg.sampling_params import SamplingParams
-from course_pkg.sequence import Sequence, SequenceStatus
+from course_pkg.scheduler import Scheduler
+from course_pkg.sequence import Sequence
 
 VOCAB_SIZE = 32_000
 
@@ -161,7 +159,8 @@ def make_block_manager(num_blocks: int, block_size: int, *, release: str = "reve
 
 @dataclass(frozen=True)
 class SimResult:
-    """What a simulation measured. Token counts are vLLM's: queries and hits in tokens."""
+    """What a run measured. Token counts are vLLM's: queries and hits in tokens; a preempted
+    request is queried again at readmission and its recomputation counts as computed tokens."""
 
     num_requests: int
     num_steps: int
@@ -169,132 +168,112 @@ class SimResult:
     prefix_cache_queries: int
     prefix_cache_hits: int
     prefix_cache_hit_rate: float
-    num_computed_tokens: int        # prompt tokens the prefill steps had to compute
+    num_computed_tokens: int        # tokens the prefill steps computed (not found in the cache)
     mean_kv_cache_usage: float      # averaged over steps
     max_kv_cache_usage: float
 
 
-class Simulator:
-    """Continuous batching without a model: drives ``Sequence`` + ``BlockManager`` step by step.
+class WorkloadRun:
+    """Serve a workload with the package's real ``Scheduler`` and a fake model, step by step.
 
-    Each ``step()`` is a prefill step (admit waiting requests in order while the head fits:
-    blocks via ``can_allocate``, at most ``max_num_seqs`` running, at most
-    ``max_num_batched_tokens`` new tokens) or, when nothing can be admitted, a decode step
-    (one token for every running sequence; when ``can_append`` fails, the newest running
-    sequence is preempted: its blocks are released and it waits at the front of the queue,
-    to be prefilled again). The model's work is faked: a prefill computes every uncached
-    token and "samples" the request's next output token; a decode computes the newest token.
+    The policy -- first-come first-served admission, chunked prefill within
+    ``max_num_batched_tokens``, preemption of the most recently admitted sequence -- is
+    entirely the ``Scheduler``'s (chapter 06); there is no second copy of it here. This class
+    only plays the two parts around the scheduler: the *client*, which hands requests in in
+    workload order (a chat's next turn once its previous turn has finished), and the *model*,
+    whose "sampled" token is the request's next output token (None for a chunk that does not
+    finish a prompt). It also measures what the experiments report: the number of steps, the
+    KV-cache usage of each step (after the step's blocks are allocated), and the step at which
+    each request was first scheduled and finished. Preemptions and the prompt tokens prefill
+    computed are the scheduler's own counters (``scheduler.stats``), the prefix-cache queries
+    and hits the BlockManager's (``prefix_cache_stats``).
+
+    Give it a fresh scheduler; to measure a foil, build the scheduler over it
+    (``Scheduler(n, block_size, block_manager=ForwardReleaseBlockManager(n, block_size))``).
     """
 
-    def __init__(self, requests: list[Request], block_manager: BlockManager, *,
-                 max_num_seqs: int = 32, max_num_batched_tokens: int = 4096):
-        bm = block_manager
+    def __init__(self, requests: list[Request], scheduler: Scheduler):
+        if not scheduler.is_finished():
+            raise ValueError("the scheduler already holds requests; give WorkloadRun a fresh one")
         for i, r in enumerate(requests):
-            need = (r.num_tokens + bm.block_size - 1) // bm.block_size
-            if need > bm.num_blocks:
-                raise ValueError(f"request {i} needs up to {need} blocks, the pool has {bm.num_blocks}")
             if r.parent is not None and not 0 <= r.parent < i:
                 raise ValueError(f"request {i}: parent {r.parent} must be an earlier request")
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        self.requests = requests
-        self.block_manager = bm
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.seqs = [Sequence(list(r.prompt_token_ids), block_size=bm.block_size) for r in requests]
+        self.requests = list(requests)
+        self.scheduler = scheduler
+        # A chat turn decodes exactly its answer: no EOS, max_tokens = the answer's length.
+        self.seqs = [Sequence(list(r.prompt_token_ids),
+                              SamplingParams(max_tokens=len(r.output_token_ids), ignore_eos=True),
+                              block_size=scheduler.block_size) for r in self.requests]
+        for i, seq in enumerate(self.seqs):  # refuse, before anything runs, a request that never fits
+            try:
+                scheduler.check(seq)
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}") from None
         self.index = {seq.seq_id: i for i, seq in enumerate(self.seqs)}
-        self.waiting: deque[Sequence] = deque(self.seqs)
-        self.running: list[Sequence] = []
-        self.finished = [False] * len(requests)
-        # Step numbers (0-based) of each request's first admission and of its finish.
-        self.admitted_at: list[int | None] = [None] * len(requests)
-        self.finished_at: list[int | None] = [None] * len(requests)
+        self.finished = [False] * len(self.requests)
+        # Step numbers (0-based) at which each request was first scheduled and finished.
+        self.admitted_at: list[int | None] = [None] * len(self.requests)
+        self.finished_at: list[int | None] = [None] * len(self.requests)
         self.num_steps = 0
-        self.num_preemptions = 0
-        self.num_computed_tokens = 0
+        self._next_request = 0  # requests before this index were handed to the scheduler
         self._usage_sum = 0.0
         self._usage_max = 0.0
 
     @property
+    def block_manager(self) -> BlockManager:
+        return self.scheduler.block_manager
+
+    @property
+    def running(self) -> list[Sequence]:
+        """The scheduler's running sequences (prompt done, decoding), oldest admission first."""
+        return list(self.scheduler.running)
+
+    @property
     def done(self) -> bool:
-        return not self.waiting and not self.running
+        return self._next_request == len(self.requests) and self.scheduler.is_finished()
 
-    def _sample(self, seq: Sequence) -> None:
-        """The fake model's output: the request's next token; finish when all are out."""
-        request = self.requests[self.index[seq.seq_id]]
-        seq.append_token(request.output_token_ids[seq.num_completion_tokens])
-        if seq.num_completion_tokens == len(request.output_token_ids):
-            seq.status = SequenceStatus.FINISHED
-            self.block_manager.deallocate(seq)
-            self.running.remove(seq)
-            self.finished[self.index[seq.seq_id]] = True
-            self.finished_at[self.index[seq.seq_id]] = self.num_steps
+    def _hand_in(self) -> None:
+        """Add the next requests in order, stopping at a chat turn whose previous turn still runs."""
+        while self._next_request < len(self.requests):
+            parent = self.requests[self._next_request].parent
+            if parent is not None and not self.finished[parent]:
+                break
+            self.scheduler.add(self.seqs[self._next_request])
+            self._next_request += 1
 
-    def _computed(self, seq: Sequence) -> None:
-        """After the model ran: every token so far has K/V; register newly full blocks."""
-        full_before = seq.num_cached_tokens // seq.block_size
-        seq.num_cached_tokens = seq.num_tokens
-        if seq.num_tokens // seq.block_size > full_before:  # a block became full
-            self.block_manager.hash_blocks(seq)
-
-    def _preempt(self, seq: Sequence) -> None:
-        self.block_manager.deallocate(seq)
-        seq.status = SequenceStatus.WAITING
-        self.running.remove(seq)
-        self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+    def _fake_model(self, batch: list[Sequence]) -> list[int | None]:
+        tokens = []
+        for seq in batch:
+            completes = seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens
+            outputs = self.requests[self.index[seq.seq_id]].output_token_ids
+            tokens.append(outputs[seq.num_completion_tokens] if completes else None)
+        return tokens
 
     def step(self) -> str:
         """Run one step; return "prefill", "decode" or "idle" (nothing left to do)."""
-        bm = self.block_manager
-        scheduled: list[Sequence] = []
-        num_batched = 0
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            parent = self.requests[self.index[seq.seq_id]].parent
-            if parent is not None and not self.finished[parent]:
-                break  # the previous turn of this chat is still running
-            cached = bm.can_allocate(seq)
-            if cached == -1:
-                break
-            new_tokens = seq.num_tokens - cached * bm.block_size
-            if scheduled and num_batched + new_tokens > self.max_num_batched_tokens:
-                break
-            bm.allocate(seq, cached)
-            num_batched += new_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.waiting.popleft()
-            self.running.append(seq)
-            scheduled.append(seq)
-            if self.admitted_at[self.index[seq.seq_id]] is None:
-                self.admitted_at[self.index[seq.seq_id]] = self.num_steps
-        if scheduled:
-            kind = "prefill"
-            self.num_computed_tokens += num_batched
-        elif self.running:
-            kind = "decode"
-            for seq in list(self.running):
-                if seq not in self.running:  # preempted earlier in this loop
-                    continue
-                while not bm.can_append(seq):
-                    self._preempt(self.running[-1])
-                    if seq not in self.running:
-                        break
-                else:
-                    bm.may_append(seq)
-                    scheduled.append(seq)
-        elif self.waiting:
-            raise RuntimeError("nothing runs and the first waiting request cannot be admitted")
-        else:
+        self._hand_in()
+        if self.scheduler.is_finished():
             return "idle"
-        usage = bm.kv_cache_usage
+        batch, is_prefill = self.scheduler.schedule()
+        while not batch:
+            # The only running sequence lacked a block and preempted itself: it is back in
+            # ``waiting`` with its blocks freed, and the next schedule readmits it.
+            if not self.scheduler.preempted:
+                raise RuntimeError("the scheduler scheduled nothing although requests are waiting")
+            batch, is_prefill = self.scheduler.schedule()
+        usage = self.block_manager.kv_cache_usage
         self._usage_sum += usage
         self._usage_max = max(self._usage_max, usage)
-        for seq in scheduled:
-            self._computed(seq)
-            self._sample(seq)
+        for seq in batch:
+            i = self.index[seq.seq_id]
+            if self.admitted_at[i] is None:
+                self.admitted_at[i] = self.num_steps
+        for seq in self.scheduler.postprocess(batch, self._fake_model(batch)):
+            i = self.index[seq.seq_id]
+            self.finished[i] = True
+            self.finished_at[i] = self.num_steps
         self.num_steps += 1
-        return kind
+        return "prefill" if is_prefill else "decode"
 
     def run(self) -> SimResult:
         while not self.done:
@@ -305,52 +284,22 @@ class Simulator:
         stats = self.block_manager.prefix_cache_stats
         return SimResult(
             num_requests=len(self.requests), num_steps=self.num_steps,
-            num_preemptions=self.num_preemptions, prefix_cache_queries=stats.queries,
+            num_preemptions=self.scheduler.stats.num_preemptions, prefix_cache_queries=stats.queries,
             prefix_cache_hits=stats.hits, prefix_cache_hit_rate=stats.hit_rate,
-            num_computed_tokens=self.num_computed_tokens,
+            num_computed_tokens=self.scheduler.stats.prefill_kv_computed_tokens,
             mean_kv_cache_usage=self._usage_sum / self.num_steps if self.num_steps else 0.0,
             max_kv_cache_usage=self._usage_max)
-
-
-def serve_with_scheduler(requests: list[Request], scheduler) -> list[Sequence]:
-    """Serve ``requests`` with the engine's real ``Scheduler`` (chapter 06) and fake decoded tokens.
-
-    The same job as ``Simulator``, done by the production scheduler instead (which also
-    chunks long prompts). A request is handed to the scheduler once its parent has finished,
-    in workload order. Returns the sequences, finished, in workload order; the statistics are
-    in ``scheduler.block_manager.prefix_cache_stats`` and ``scheduler.stats``.
-    """
-    seqs = [Sequence(list(r.prompt_token_ids),
-                     SamplingParams(max_tokens=len(r.output_token_ids), ignore_eos=True),
-                     block_size=scheduler.block_size) for r in requests]
-    index = {seq.seq_id: i for i, seq in enumerate(seqs)}
-    finished = [False] * len(requests)
-    next_request = 0
-    while True:
-        while next_request < len(requests) and (requests[next_request].parent is None
-                                                or finished[requests[next_request].parent]):
-            scheduler.add(seqs[next_request])
-            next_request += 1
-        if scheduler.is_finished():
-            break
-        batch, _ = scheduler.schedule()
-        if not batch:
-            raise RuntimeError("the scheduler scheduled nothing although requests are waiting")
-        tokens = []
-        for seq in batch:  # a chunk that does not finish the prompt samples nothing
-            done_after = seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens
-            outputs = requests[index[seq.seq_id]].output_token_ids
-            tokens.append(outputs[seq.num_completion_tokens] if done_after else None)
-        for seq in scheduler.postprocess(batch, tokens):
-            finished[index[seq.seq_id]] = True
-    return seqs
 
 
 def simulate(requests: list[Request], num_blocks: int, block_size: int = 16, *,
              release: str = "reversed", free_queue: str = "deque", enable_prefix_caching: bool = True,
              max_num_seqs: int = 32, max_num_batched_tokens: int = 4096) -> SimResult:
-    """Serve ``requests`` on a pool of ``num_blocks`` blocks and return what was measured."""
+    """Serve ``requests`` with the real ``Scheduler`` on a pool of ``num_blocks`` blocks; what was measured.
+
+    ``release`` picks the BlockManager ("reversed": the package's; "forward": chapter 03's foil).
+    """
     bm = make_block_manager(num_blocks, block_size, release=release, free_queue=free_queue,
                             enable_prefix_caching=enable_prefix_caching)
-    return Simulator(requests, bm, max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=max_num_batched_tokens).run()
+    scheduler = Scheduler(num_blocks, block_size, block_manager=bm, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens)
+    return WorkloadRun(requests, scheduler).run()

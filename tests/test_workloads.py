@@ -1,19 +1,24 @@
-"""Workload generators and the model-free simulator.
+"""Workload generators, and serving them with the real Scheduler and a fake model.
 
-The simulator is checked against an independent reference: with a pool too large to evict
+``WorkloadRun`` is checked against independent references: with a pool too large to evict
 anything and one request at a time, the prefix-cache hits of each request are exactly the
 leading full blocks of its prompt that earlier requests computed -- which a set of token
-prefixes computes without any BlockManager.
+prefixes computes without any BlockManager -- and the number of steps follows from the
+prompt lengths and the token budget (chunked prefill) by arithmetic alone.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from course_pkg import BlockManager, Sequence
-from course_pkg.workloads import (ForwardReleaseBlockManager, Request, Simulator, make_block_manager,
-                                  multi_turn_workload, random_workload, shared_prefix_workload, simulate)
+from course_pkg import BlockManager, SamplingParams, Sequence
+from course_pkg.scheduler import Scheduler
+from course_pkg.workloads import (ForwardReleaseBlockManager, Request, UnguardedBlockManager, WorkloadRun,
+                                  make_block_manager, multi_turn_workload, random_workload,
+                                  shared_prefix_workload, simulate)
 
 
 # ------------------------------------------------------------------ generators
@@ -56,7 +61,7 @@ def test_request_validation():
         Request((1,), ())
 
 
-# ------------------------------------------------------------------ the simulator
+# ------------------------------------------------------------------ serving with the real Scheduler
 
 def _reference_hits(requests: list[Request], block_size: int) -> list[int]:
     """Hits in tokens per request, served one at a time from a cache that never evicts."""
@@ -75,44 +80,71 @@ def _reference_hits(requests: list[Request], block_size: int) -> list[int]:
     return hits
 
 
-@pytest.mark.parametrize("block_size", [1, 3, 16])
-def test_hits_match_an_independent_reference_without_eviction(block_size):
+@pytest.mark.parametrize("block_size,budget", [(1, 4096), (3, 7), (16, 4096), (16, 20)])
+def test_hits_match_an_independent_reference_without_eviction(block_size, budget):
     requests = (shared_prefix_workload(40, num_prefixes=3, prefix_len=37, suffix_len=(1, 20),
                                        output_len=(1, 9), seed=block_size)
                 + multi_turn_workload(4, 3, system_len=20, user_len=(1, 7), output_len=(1, 12), seed=5))
     total = sum(r.num_tokens for r in requests)
-    result = simulate(requests, num_blocks=total, block_size=block_size, max_num_seqs=1)
+    result = simulate(requests, num_blocks=total, block_size=block_size, max_num_seqs=1,
+                      max_num_batched_tokens=budget)
     expected = _reference_hits(requests, block_size)
     assert result.prefix_cache_hits == sum(expected)
     assert result.prefix_cache_queries == sum(len(r.prompt_token_ids) for r in requests)
     assert result.num_preemptions == 0
     assert result.num_computed_tokens == result.prefix_cache_queries - result.prefix_cache_hits
+    # One request at a time: its prompt's uncached tokens in chunks of at most `budget`
+    # (the last chunk samples the first output token), then one decode step per further token.
+    steps = sum(-(-(len(r.prompt_token_ids) - hit) // budget) + len(r.output_token_ids) - 1
+                for r, hit in zip(requests, expected))
+    assert result.num_steps == steps
 
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10_000), num_blocks=st.integers(12, 60), block_size=st.integers(1, 4),
-       max_num_seqs=st.integers(1, 6), release=st.sampled_from(["reversed", "forward"]))
+       max_num_seqs=st.integers(1, 6), budget=st.integers(1, 40), release=st.sampled_from(["reversed", "forward"]))
 def test_every_request_finishes_with_its_tokens_and_the_pool_is_whole_again(
-        seed, num_blocks, block_size, max_num_seqs, release):
+        seed, num_blocks, block_size, max_num_seqs, budget, release):
     requests = (shared_prefix_workload(15, num_prefixes=2, prefix_len=9, suffix_len=(1, 6),
                                        output_len=(1, 8), seed=seed)
                 + multi_turn_workload(3, 2, system_len=5, user_len=(1, 4), output_len=(1, 5), seed=seed))
-    requests = [r for r in requests if r.num_tokens <= num_blocks * block_size]
+    requests = [r for r in requests if r.num_tokens - 1 <= num_blocks * block_size]
+    requests = [dataclasses.replace(r, parent=None) for r in requests]  # filtering broke the indices
     bm = make_block_manager(num_blocks, block_size, release=release)
-    sim = Simulator(requests, bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=32)
-    result = sim.run()
-    assert all(sim.finished)
-    for r, seq in zip(requests, sim.seqs):
+    scheduler = Scheduler(num_blocks, block_size, block_manager=bm, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=budget)
+    run = WorkloadRun(requests, scheduler)
+    batches = []
+    real_schedule = scheduler.schedule
+
+    def recording_schedule():
+        batch, is_prefill = real_schedule()
+        batches.append(sum(s.num_scheduled_tokens for s in batch))
+        return batch, is_prefill
+
+    scheduler.schedule = recording_schedule
+    result = run.run()
+    assert all(run.finished)
+    for r, seq in zip(requests, run.seqs):
         assert seq.token_ids == list(r.prompt_token_ids + r.output_token_ids)
         assert not seq.block_table
-    for i, r in enumerate(requests):  # a chat's next turn waits for the previous one to finish
-        if r.parent is not None:
-            assert sim.admitted_at[i] > sim.finished_at[r.parent]
     assert sorted(bm.free_block_ids) == list(range(num_blocks)) and not bm.used_block_ids
     assert 0 < result.max_kv_cache_usage <= 1
+    assert max(batches) <= budget  # the token budget holds: long prompts were chunked
     # Preempted requests are admitted (and queried) again.
     assert result.prefix_cache_queries >= sum(len(r.prompt_token_ids) for r in requests)
-    assert sim.step() == "idle"
+    assert bm.prefix_cache_stats.requests == len(requests) + result.num_preemptions
+    assert run.step() == "idle"
+
+
+def test_a_chat_turn_is_admitted_only_after_its_previous_turn_finished():
+    requests = multi_turn_workload(4, 3, system_len=10, user_len=(2, 6), output_len=(2, 6), seed=1)
+    run = WorkloadRun(requests, Scheduler(200, 4, max_num_seqs=8, max_num_batched_tokens=64))
+    run.run()
+    for i, r in enumerate(requests):
+        if r.parent is not None:
+            assert run.admitted_at[i] > run.finished_at[r.parent]
+    assert run.admitted_at[1] == 0  # independent chats share the first step
 
 
 def test_release_order_does_not_matter_when_nothing_is_evicted():
@@ -121,6 +153,15 @@ def test_release_order_does_not_matter_when_nothing_is_evicted():
     a = simulate(requests, big, 16, release="reversed")
     b = simulate(requests, big, 16, release="forward")
     assert a.prefix_cache_hits == b.prefix_cache_hits > 0
+
+
+def test_release_order_matters_under_pressure():
+    # 2 blocks of 2 tokens hold one 3-token request. The forward foil puts the prefix block
+    # at the head of the free queue, so the next request overwrites it; reversed keeps it.
+    requests = [Request((1, 2, 3), (4,)), Request((9, 9, 9), (4,)), Request((1, 2, 5), (4,))]
+    hits = {release: simulate(requests, 3, 2, release=release, max_num_seqs=1).prefix_cache_hits
+            for release in ("reversed", "forward")}
+    assert hits == {"reversed": 2, "forward": 0}
 
 
 def test_linked_free_queue_gives_the_same_simulation():
@@ -135,11 +176,26 @@ def test_no_hits_with_prefix_caching_disabled():
     assert simulate(requests, 200, 16).prefix_cache_hits > 0
 
 
-def test_simulator_rejects_requests_that_never_fit():
-    with pytest.raises(ValueError, match="needs up to 3 blocks"):
-        Simulator([Request((1,) * 8, (2,) * 3)], BlockManager(2, 4))
+def test_workload_run_rejects_bad_requests_before_running_anything():
+    scheduler = Scheduler(2, 4)
+    with pytest.raises(ValueError, match="request 1: .*can never fit"):
+        WorkloadRun([Request((1,), (2,)), Request((1,) * 8, (2,) * 3)], scheduler)
     with pytest.raises(ValueError, match="parent"):
-        Simulator([Request((1,), (2,), parent=0)], BlockManager(2, 4))
+        WorkloadRun([Request((1,), (2,), parent=0)], scheduler)
+    assert scheduler.is_finished() and scheduler.block_manager.num_free_blocks == 2
+    scheduler.add(Sequence([1, 2], SamplingParams(max_tokens=1), block_size=4))
+    with pytest.raises(ValueError, match="fresh"):
+        WorkloadRun([Request((1,), (2,))], scheduler)
+
+
+def test_scheduler_runs_over_a_given_block_manager():
+    for cls in (ForwardReleaseBlockManager, UnguardedBlockManager):
+        bm = cls(8, 4)
+        assert Scheduler(8, 4, block_manager=bm).block_manager is bm
+    with pytest.raises(ValueError, match="block_manager has 8 blocks of 4 tokens"):
+        Scheduler(9, 4, block_manager=BlockManager(8, 4))
+    with pytest.raises(ValueError, match="block_manager has 8 blocks of 4 tokens"):
+        Scheduler(8, 2, block_manager=BlockManager(8, 4))
 
 
 # ------------------------------------------------------------------ forward release
@@ -163,28 +219,3 @@ def test_forward_release_misuse_raises_and_changes_nothing():
     assert list(bm.free_block_ids) == [0, 1, 2, 3] and seq.block_table == []
     with pytest.raises(ValueError, match="release"):
         make_block_manager(4, 2, release="sideways")
-
-
-# ------------------------------------------------------------------ against the real Scheduler
-
-@pytest.mark.parametrize("num_blocks,max_num_seqs", [(40, 8), (60, 2), (400, 16)])
-def test_simulator_matches_the_engine_scheduler(num_blocks, max_num_seqs):
-    """The experiments' simulator and chapter 06's Scheduler make the same decisions: same
-    prefix-cache queries and hits, same preemptions, same computed tokens, same outputs."""
-    from course_pkg.scheduler import Scheduler
-    from course_pkg.workloads import serve_with_scheduler
-
-    requests = (shared_prefix_workload(150, num_prefixes=6, prefix_len=100, output_len=(4, 40), seed=7)
-                + multi_turn_workload(6, 3, system_len=30, user_len=(4, 20), output_len=(4, 30), seed=7))
-    budget = 10**6  # no chunking: the simulator never chunks a prompt
-    sim = Simulator(requests, BlockManager(num_blocks, 16), max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=budget)
-    result = sim.run()
-    scheduler = Scheduler(num_blocks, 16, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
-    seqs = serve_with_scheduler(requests, scheduler)
-    stats = scheduler.block_manager.prefix_cache_stats
-    assert (stats.queries, stats.hits) == (result.prefix_cache_queries, result.prefix_cache_hits)
-    assert scheduler.stats.num_preemptions == result.num_preemptions
-    assert scheduler.stats.prefill_kv_computed_tokens == result.num_computed_tokens
-    assert [s.token_ids for s in seqs] == [s.token_ids for s in sim.seqs]
-    assert (max_num_seqs, num_blocks) != (8, 40) or result.num_preemptions > 0
