@@ -3,6 +3,12 @@
 As in vLLM and Nano-vLLM, ``generate`` takes a batch of prompts, runs engine steps until every
 one has finished, and returns one output per prompt, in the order of the prompts -- even
 though requests finish in another order, batched together with whatever else is running.
+
+``generate`` steps the whole engine, so requests it did not submit (queued earlier with
+``add_request``, or left behind by an interrupted ``generate``) may finish during it. Their
+outputs are never dropped: ``generate`` files them in ``llm.unclaimed_outputs`` (request id ->
+output), where their owner picks them up, as vLLM's ``step()`` hands every finished request
+to its caller.
 """
 from __future__ import annotations
 
@@ -32,12 +38,19 @@ class LLM(LLMEngine):
     arguments are :class:`LLMEngine`'s.
     """
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Finished outputs that a generate() call received but did not submit; nothing else
+        # reads them, so they wait here until their owner pops them.
+        self.unclaimed_outputs: dict[int, RequestOutput] = {}
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; returns their outputs in prompt order.
 
         Every prompt is validated before any is queued, so a bad prompt raises
-        ``ValueError`` and leaves the engine exactly as it was.
+        ``ValueError`` and leaves the engine exactly as it was. Other requests that finish
+        meanwhile go to ``self.unclaimed_outputs``.
         """
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -70,6 +83,8 @@ class LLM(LLMEngine):
                         outputs[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+                    else:                                   # someone else's request
+                        self.unclaimed_outputs[out.request_id] = out
         finally:
             if bar is not None:
                 bar.close()
