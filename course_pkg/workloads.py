@@ -229,6 +229,18 @@ class WorkloadRun:
         return list(self.scheduler.running)
 
     @property
+    def holding(self) -> list[Sequence]:
+        """Every sequence that holds blocks now: the running ones, and a prompt being chunked.
+
+        Only the head of ``waiting`` can hold blocks: the scheduler allocates when it admits
+        the head, and a chunked prompt keeps its blocks and its place there until its last
+        chunk; a preempted sequence has released its blocks.
+        """
+        waiting = self.scheduler.waiting
+        chunked = [waiting[0]] if waiting and waiting[0].block_table else []
+        return list(self.scheduler.running) + chunked
+
+    @property
     def done(self) -> bool:
         return self._next_request == len(self.requests) and self.scheduler.is_finished()
 

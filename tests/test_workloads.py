@@ -123,7 +123,11 @@ def test_every_request_finishes_with_its_tokens_and_the_pool_is_whole_again(
         return batch, is_prefill
 
     scheduler.schedule = recording_schedule
-    result = run.run()
+    while not run.done:
+        run.step()
+        # `holding` knows where blocks can be; every sequence's own table says where they are.
+        assert {s.seq_id for s in run.holding} == {s.seq_id for s in run.seqs if s.block_table}
+    result = run.result()
     assert all(run.finished)
     for r, seq in zip(requests, run.seqs):
         assert seq.token_ids == list(r.prompt_token_ids + r.output_token_ids)
