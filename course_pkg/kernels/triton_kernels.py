@@ -313,9 +313,7 @@ def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
     block_m = max(16, min(64, triton.next_power_of_2(max_q_len * group)))
     block_d = max(16, triton.next_power_of_2(head_dim))
     if block_n is None:
-        # Interpreter: small tiles, so the chapter's short contexts still loop. GPU: 64 keys per
-        # tile, 32 in float32 (the tiles and their pipeline copies must fit in shared memory).
-        block_n = 16 if INTERPRET else 32 if q.dtype == torch.float32 else 64
+        block_n = default_block_n(q.dtype)
     num_q_tiles = triton.cdiv(max_q_len * group, block_m)
     if num_splits > 1:
         part_out = torch.empty((num_splits, total_q, num_heads, block_d), dtype=torch.float32, device=q.device)
@@ -349,6 +347,15 @@ def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
     if target is not out:
         out.copy_(target)
     return out
+
+
+def default_block_n(dtype: torch.dtype) -> int:
+    """Keys per tile (``BLOCK_N``) when the caller gives none.
+
+    Interpreter: 16, small tiles, so the chapter's short contexts still loop. GPU: 64 keys per
+    tile, 32 in float32 (the tiles and their pipeline copies must fit in shared memory).
+    """
+    return 16 if INTERPRET else 32 if dtype == torch.float32 else 64
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
