@@ -357,3 +357,18 @@ def test_random_checkpoint_is_seeded_and_its_greedy_output_varied(tmp_path, hf_l
     with torch.no_grad():
         out = hf.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None)[0, 8:]
     assert len(set(out.tolist())) >= 8
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                          "original_max_position_embeddings": 64}}, "rope_type 'yarn'"),
+    ({"use_sliding_window": True, "sliding_window": 16}, "sliding-window"),
+])
+def test_unsupported_config_features_are_refused_by_name(tmp_path, change, message):
+    from course_pkg.models import load_model
+    folder = copy_default_model(tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(change)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load_model(folder)

@@ -146,7 +146,8 @@ def rope_theta(config) -> float:
     params = getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
     if rope_type != "default":
-        raise NotImplementedError(f"rope_type {rope_type!r} is not supported (only 'default')")
+        raise ValueError(f"config.json asks for rope_type {rope_type!r}; this model implements "
+                         "only plain RoPE ('default')")
     if "rope_theta" in params:
         return float(params["rope_theta"])
     return float(getattr(config, "rope_theta", 10000.0))
@@ -158,7 +159,8 @@ class Qwen3ForCausalLM(nn.Module):
     def __init__(self, config):
         super().__init__()
         if getattr(config, "use_sliding_window", False):
-            raise NotImplementedError("sliding-window attention is not supported")
+            raise ValueError("config.json enables sliding-window attention (use_sliding_window); "
+                             "this model implements full attention only")
         self.config = config
         self.model = Qwen3Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
