@@ -1,6 +1,10 @@
 """Shared test helpers: a full copy of a BlockManager's state, and its invariants."""
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 from course_pkg import BlockManager, Sequence
 
 
@@ -37,3 +41,13 @@ def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
         block = bm.blocks[bid]
         assert block.hash == h, f"index entry {h} -> {bid} but block {bid} has hash {block.hash}"
         assert len(block.token_ids) == bm.block_size
+
+
+def load_build_slides():
+    """tools/build_slides.py as a module (tools/ is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "tools" / "build_slides.py"
+    spec = importlib.util.spec_from_file_location("build_slides", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("build_slides", module)
+    spec.loader.exec_module(module)
+    return module

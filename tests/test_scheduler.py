@@ -172,16 +172,9 @@ def test_whole_prompt_cached_still_computes_the_last_block():
     s1, s2 = make_seq(prompt, max_tokens=3), make_seq(prompt, max_tokens=3)
     sched.add(s1)
     runner = FakeRunner(sched)
-    out = {}
-    while not sched.is_finished():
-        seqs, _ = sched.schedule()
-        for s in sched.postprocess(seqs, runner.run(seqs)):
-            out[s.seq_id] = s.completion_token_ids
+    out, _ = run_to_end(sched, runner)
     sched.add(s2)
-    while not sched.is_finished():
-        seqs, _ = sched.schedule()
-        for s in sched.postprocess(seqs, runner.run(seqs)):
-            out[s.seq_id] = s.completion_token_ids
+    out.update(run_to_end(sched, runner)[0])
     assert out[s1.seq_id] == out[s2.seq_id] == reference(prompt, 3, True)
     stats = sched.block_manager.prefix_cache_stats
     assert (stats.requests, stats.queries, stats.hits) == (2, 16, 4)
@@ -208,11 +201,7 @@ def test_two_sequences_sharing_a_prefix_admitted_in_one_step():
     assert seqs == [c] and c.num_cached_tokens == 8
     assert c.block_table[:2] == b.block_table[:2]  # the index points at the latest registration
     sched.postprocess(seqs, runner.run(seqs))
-    outputs = {}
-    while not sched.is_finished():
-        seqs, _ = sched.schedule()
-        for s in sched.postprocess(seqs, runner.run(seqs)):
-            outputs[s.seq_id] = s.completion_token_ids
+    outputs, _ = run_to_end(sched, runner)
     for s in (a, b, c):
         assert outputs[s.seq_id] == reference(s.prompt_token_ids, 3, True)
 
@@ -262,11 +251,7 @@ def test_preemption_by_recompute_when_decode_cannot_get_a_block():
     assert list(sched.waiting) == [b] and b.block_table == [] and b.num_cached_tokens == 0
     assert b.status == SequenceStatus.WAITING and b.num_completion_tokens == 1  # kept its token
     sched.postprocess(seqs, runner.run(seqs))
-    outputs = {}
-    while not sched.is_finished():
-        seqs, _ = sched.schedule()
-        for s in sched.postprocess(seqs, runner.run(seqs)):
-            outputs[s.seq_id] = s.completion_token_ids
+    outputs, _ = run_to_end(sched, runner)
     assert outputs[a.seq_id] == reference([1, 2, 3, 4], 3, True)
     assert outputs[b.seq_id] == reference([5, 6, 7], 3, True)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import copy
-import importlib.util
 import json
 import re
 import sys
@@ -18,19 +17,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import load_build_slides
+
 REPO = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 
-def _load_build_slides():
-    spec = importlib.util.spec_from_file_location("build_slides", REPO / "tools" / "build_slides.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("build_slides", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-bs = _load_build_slides()
+bs = load_build_slides()
 PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n fake image bytes").decode()
 
 

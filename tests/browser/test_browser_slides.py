@@ -7,23 +7,15 @@ stepper must render from the saved widget state, and the arrow keys must change 
 """
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
 
 import pytest
+
+from tests.helpers import load_build_slides
 
 from labdriver import NOTEBOOKS, REPO, wait_until
 
 CHAPTER = NOTEBOOKS / "02_block_manager.ipynb"
-
-
-def _build_slides():
-    spec = importlib.util.spec_from_file_location("build_slides", REPO / "tools" / "build_slides.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("build_slides", module)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +23,7 @@ def deck(tmp_path_factory):
     if shutil.which("npm") is None:
         pytest.skip("npm is not installed: the deck's reveal.js/require.js/MathJax/widget manager "
                     "are fetched with `npm pack` (Debian: apt-get install npm)")
-    bs = _build_slides()
+    bs = load_build_slides()
     return bs.build([CHAPTER], tmp_path_factory.mktemp("deck"))[0]
 
 
