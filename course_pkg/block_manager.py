@@ -176,13 +176,19 @@ class BlockManager:
     def _allocate_block(self) -> Block:
         """Take the block at the head of the free queue for new content."""
         block = self.blocks[self.free_block_ids.popleft()]
-        # The block may still be registered under its old content. Drop that entry, but only
-        # if the index still points here: a newer block may have taken over the same hash.
-        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block.block_id:
-            del self.hash_to_block_id[block.hash]
+        self._maybe_evict_cached_block(block)
         block.reset()
         self.used_block_ids.add(block.block_id)
         return block
+
+    def _maybe_evict_cached_block(self, block: Block) -> None:
+        """Drop the index entry of a free block about to get new content (the stale-entry guard).
+
+        Only if the index still points here: a newer block may have taken over the same hash,
+        and that entry is still good.
+        """
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block.block_id:
+            del self.hash_to_block_id[block.hash]
 
     def _deallocate_block(self, block: Block) -> None:
         # Hash and tokens stay: a freed block remains a cache entry until it is reused.

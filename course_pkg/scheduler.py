@@ -64,7 +64,7 @@ class Scheduler:
                  eos_token_id: int | Iterable[int] | None = None, free_queue: str = "deque",
                  block_manager: BlockManager | None = None):
         """``block_manager``: an existing manager to schedule over (e.g. a course foil such as
-        ``workloads.ForwardReleaseBlockManager``), instead of a new ``BlockManager`` built from
+        ``foils.ForwardReleaseBlockManager``), instead of a new ``BlockManager`` built from
         ``num_kvcache_blocks``, ``block_size``, ``enable_prefix_caching`` and ``free_queue``.
         Its pool size and block size must equal ``num_kvcache_blocks`` and ``block_size``;
         prefix caching and the free queue are then the given manager's own.

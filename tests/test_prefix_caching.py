@@ -11,7 +11,7 @@ import pytest
 
 from course_pkg import BlockManager, NoFreeBlocksError, Sequence
 from course_pkg.block_manager import PrefixCacheStats, compute_hash
-from course_pkg.workloads import UnguardedBlockManager
+from course_pkg.foils import UnguardedBlockManager
 
 
 def admit(bm: BlockManager, tokens, compute: bool = True) -> Sequence:
