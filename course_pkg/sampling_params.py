@@ -1,7 +1,9 @@
-"""How one request is decoded: temperature, top-p, length."""
+"""How one request is decoded: temperature, top-p, length, seed."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from course_pkg.validation import INT64_MAX, INT64_MIN, check_bool, check_int, check_positive_int, check_real
 
 
 @dataclass(frozen=True)
@@ -9,7 +11,12 @@ class SamplingParams:
     """Per-request decoding settings, named as vLLM names them.
 
     ``temperature == 0`` means greedy decoding. ``ignore_eos`` keeps generating past the
-    end-of-sequence token until ``max_tokens`` (benchmarks use it for fixed lengths).
+    end-of-sequence token until ``max_tokens`` (benchmarks use it for fixed lengths). ``seed``
+    gives the request a random generator of its own (an integer that fits in int64, as torch's
+    generators require), so its tokens do not depend on the other requests in its batches.
+
+    Every field is checked when the object is made, strictly by type: ``ignore_eos="no"`` or
+    ``seed=1.0`` is refused rather than misread.
     """
 
     temperature: float = 1.0
@@ -19,9 +26,9 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        check_real("temperature", self.temperature, minimum=0.0)
+        check_real("top_p", self.top_p, minimum=0.0, maximum=1.0, min_inclusive=False)
+        check_positive_int("max_tokens", self.max_tokens)
+        check_bool("ignore_eos", self.ignore_eos)
+        if self.seed is not None:
+            check_int("seed", self.seed, minimum=INT64_MIN, maximum=INT64_MAX)

@@ -10,19 +10,44 @@ from enum import Enum, auto
 from itertools import count
 
 from course_pkg.sampling_params import SamplingParams
+from course_pkg.validation import check_positive_int, check_token_ids
 
 
 class SequenceStatus(Enum):
+    """Where a request is in its life, named as vLLM's ``RequestStatus`` names it.
+
+    The Scheduler sets every status, and it alone decides why a request finished: the
+    end-of-sequence token (``FINISHED_STOPPED``), its length limit (``FINISHED_LENGTH_CAPPED``:
+    ``max_tokens`` or ``max_model_len``), or an abort (``FINISHED_ABORTED``).
+    """
+
     WAITING = auto()
     RUNNING = auto()
-    FINISHED = auto()
+    FINISHED_STOPPED = auto()
+    FINISHED_LENGTH_CAPPED = auto()
+    FINISHED_ABORTED = auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """vLLM's ``finish_reason``: "stop", "length", "abort", or None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+                   SequenceStatus.FINISHED_ABORTED: "abort"}
 
 
 class Sequence:
     """Token ids plus the bookkeeping the block manager and scheduler keep per request.
 
-    ``num_cached_tokens`` counts the leading tokens whose K/V are already in the cache
-    (prefix-cache hits plus tokens computed by earlier steps); ``num_scheduled_tokens`` is
+    ``num_cached_tokens`` counts the leading tokens whose K/V are in the cache now:
+    prefix-cache hits plus the tokens computed by earlier steps (it grows every step, and a
+    preemption sets it back to 0). Not to be confused with ``RequestOutput.num_cached_tokens``,
+    which is, as in vLLM, the prefix-cache hit at admission only. ``num_scheduled_tokens`` is
     how many tokens the current step computes. Each sequence knows its own ``block_size``.
     """
 
@@ -30,12 +55,14 @@ class Sequence:
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
                  block_size: int = 16):
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-        token_ids = list(token_ids)
+        check_positive_int("block_size", block_size)
+        token_ids = check_token_ids("token_ids", token_ids)
         if not token_ids:
             raise ValueError("a sequence needs at least one token (the prompt is empty)")
-        sampling_params = sampling_params or SamplingParams()
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        elif not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         self.seq_id = next(Sequence._ids)
         self.status = SequenceStatus.WAITING
         self.block_size = block_size
@@ -45,6 +72,8 @@ class Sequence:
         self.num_prompt_tokens = len(token_ids)
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0
+        self.num_preemptions = 0
+        self.submitted = False  # handed to a Scheduler: a request is submitted once
         self.block_table: list[int] = []
         # Chained hashes of the leading full blocks whose K/V are computed and registered.
         self.block_hashes: list[int] = []
@@ -61,7 +90,11 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
 
     @property
     def num_completion_tokens(self) -> int:

@@ -378,7 +378,7 @@ def test_deallocating_a_table_this_manager_did_not_hand_out_raises_and_changes_n
     copy = Sequence([1, 2, 3], block_size=2)
     copy.block_table = list(a.block_table)
     bm.deallocate(a)
-    _unchanged(bm, [a, copy], lambda: bm.deallocate(copy), ValueError, "holds a free block")
+    _unchanged(bm, [a, copy], lambda: bm.deallocate(copy), ValueError, "not allocated by this BlockManager")
     other = BlockManager(num_blocks=4, block_size=4)
     b = Sequence([1, 2, 3], block_size=2)
     bm.allocate(b)

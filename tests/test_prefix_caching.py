@@ -11,7 +11,7 @@ import pytest
 
 from course_pkg import BlockManager, NoFreeBlocksError, Sequence
 from course_pkg.block_manager import PrefixCacheStats, compute_hash
-from course_pkg.foils import UnguardedBlockManager
+from course_pkg.foils import TokenCheckBlockManager, UnguardedBlockManager
 
 
 def admit(bm: BlockManager, tokens, compute: bool = True) -> Sequence:
@@ -161,11 +161,15 @@ def test_a_forced_collision_falls_back_to_a_fresh_block(monkeypatch):
     assert a.block_table == [0, 1]
 
 
+class UnguardedTokenCheckBlockManager(UnguardedBlockManager, TokenCheckBlockManager):
+    """Neither defence: no stale-entry guard, and hits confirmed by the block's tokens only."""
+
+
 def test_the_stale_entry_guard_and_the_wrong_hit_without_it():
     """Block content X = [5, 6] after prefix P = [1, 2] (request a), then the same content X
     after another prefix Q = [7, 8] (request c) in the very same physical block."""
     results = {}
-    for cls in (BlockManager, UnguardedBlockManager):
+    for cls in (BlockManager, UnguardedBlockManager, UnguardedTokenCheckBlockManager):
         bm = cls(4, 2)
         a = admit(bm, [1, 2, 5, 6, 9])
         assert a.block_table == [0, 1, 2]
@@ -181,9 +185,11 @@ def test_the_stale_entry_guard_and_the_wrong_hit_without_it():
         results[cls] = (h_px in bm.hash_to_block_id, bm.can_allocate(Sequence([1, 2, 5, 6, 4], block_size=2)))
     # The guard dropped P+X's entry when block 1 was handed out again: only P is a hit.
     assert results[BlockManager] == (False, 1)
-    # Without it the stale entry still points at block 1, whose tokens match: a wrong hit
-    # on K/V computed after Q.
-    assert results[UnguardedBlockManager] == (True, 2)
+    # Without it the stale entry still points at block 1, whose tokens match; the exact check
+    # sees that block 1 follows Q, not P, and refuses the hit.
+    assert results[UnguardedBlockManager] == (True, 1)
+    # Without both defences it is a wrong hit, on K/V computed after Q.
+    assert results[UnguardedTokenCheckBlockManager] == (True, 2)
 
 
 def test_same_prompt_admitted_in_the_same_step_and_the_guard_keeps_other_blocks_entries(free_queue):

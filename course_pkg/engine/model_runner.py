@@ -26,6 +26,7 @@ import torch
 from course_pkg.engine.sampler import Sampler
 from course_pkg.models import AttentionMetadata
 from course_pkg.sequence import Sequence
+from course_pkg.validation import check_positive_int
 
 #: KV cache budget on a CPU when neither a block count nor a byte budget is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 2**20
@@ -63,8 +64,7 @@ class ModelRunner:
         if num_kvcache_blocks is None:
             num_kvcache_blocks = self._blocks_from_budget(kv_cache_memory_bytes, gpu_memory_utilization,
                                                           max_num_batched_tokens, max_model_len)
-        if not isinstance(num_kvcache_blocks, int) or isinstance(num_kvcache_blocks, bool) or num_kvcache_blocks < 1:
-            raise ValueError(f"num_kvcache_blocks must be an integer >= 1, got {num_kvcache_blocks!r}")
+        check_positive_int("num_kvcache_blocks", num_kvcache_blocks)
         self.num_kvcache_blocks = num_kvcache_blocks
         self.kv_cache = torch.zeros(2, self.num_layers, num_kvcache_blocks, block_size, self.num_kv_heads,
                                     self.head_dim, dtype=self.dtype, device=self.device)
