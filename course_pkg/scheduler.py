@@ -211,7 +211,9 @@ class Scheduler:
         if not self.waiting:
             return [], False  # nothing left to do
         # The decode step preempted every running sequence, the last one by releasing its own
-        # blocks: the pool is free again, so admission goes ahead in this same step.
+        # blocks. (check() makes that impossible for this policy -- the oldest runner always
+        # fits once the others are gone -- but a changed policy or block manager may do it.)
+        # The pool is free again, so admission goes ahead in this same step.
         scheduled = self._schedule_prefill()
         if not scheduled:
             raise RuntimeError(f"nothing could be scheduled although {len(self.waiting)} requests "
