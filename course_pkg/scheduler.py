@@ -2,7 +2,7 @@
 
 Two queues hold every live request: ``waiting`` (not yet prefilled, or preempted) and
 ``running`` (prompt done, decoding one token per step). Each call to ``schedule`` builds one
-engine step, which is either
+step -- one forward pass of the model over a batch of sequences -- which is either
 
 * a **prefill step**: sequences from the head of ``waiting``, each computing the tokens its
   prefix-cache hit did not cover, up to ``max_num_batched_tokens`` tokens in all. A prompt

@@ -1,4 +1,4 @@
-"""A request as the engine sees it: its tokens and its block table (chapters 01-02).
+"""A request, as the scheduler and the block manager see it: tokens and a block table (ch. 01-02).
 
 The sequence splits its tokens into *logical* blocks of ``block_size`` tokens: logical
 block ``i`` holds tokens ``[i * block_size, (i + 1) * block_size)``. ``block_table[i]`` is
@@ -67,7 +67,6 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_size = block_size
         self.token_ids = token_ids
-        self.last_token = token_ids[-1]
         self.num_tokens = len(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.num_cached_tokens = 0
@@ -131,7 +130,6 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
-        self.last_token = token_id
         self.num_tokens += 1
 
     def __repr__(self) -> str:

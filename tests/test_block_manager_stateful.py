@@ -84,7 +84,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for bid in seq.block_table[before:]:
                 self.content[bid] = None
         else:
-            seq.token_ids.pop(); seq.num_tokens -= 1; seq.last_token = seq.token_ids[-1]
+            seq.token_ids.pop(); seq.num_tokens -= 1
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 100), chunk=st.integers(1, 8))
