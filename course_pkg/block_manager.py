@@ -349,10 +349,20 @@ class BlockManager:
         a block whose K/V do not exist yet. Incremental: a call that was missed is made up by
         the next one.
         """
+        self.register_full_blocks(seq, seq.num_cached_tokens)
+
+    def register_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Register the blocks of ``seq`` that its first ``num_computed_tokens`` tokens fill.
+
+        ``hash_blocks`` calls it with the tokens computed so far. A scheduler that offers
+        same-step prefix hits (chapter 09) calls it when it schedules the tokens instead: in one
+        forward pass every layer stores the step's K/V before it attends, so a sequence later
+        in the same batch may read a block that an earlier one fills in that pass.
+        """
         if not self.enable_prefix_caching:
             return
         self._check_holder(seq)
-        num_full = min(seq.num_cached_tokens // self.block_size, len(seq.block_table))
+        num_full = min(num_computed_tokens // self.block_size, len(seq.block_table))
         h = seq.block_hashes[-1] if seq.block_hashes else -1
         for i in range(len(seq.block_hashes), num_full):
             token_ids = seq.block(i)
@@ -362,3 +372,38 @@ class BlockManager:
             block.update(h, token_ids, self._prefix_id_for(parent_prefix_id, token_ids), parent_prefix_id)
             self.hash_to_block_id[h] = block.block_id
             seq.block_hashes.append(h)
+
+    # ---------------------------------------------------------------- swapping (chapter 09)
+
+    def can_swap_in(self, seq: Sequence) -> bool:
+        """Are there free blocks for every token of a swapped-out ``seq``?"""
+        self._check_block_size(seq)
+        return seq.num_blocks <= len(self.free_block_ids)
+
+    def allocate_for_swap_in(self, seq: Sequence) -> None:
+        """Give a swapped-out ``seq`` a fresh block for every token; no prefix-cache lookup.
+
+        Its K/V come back from the CPU pool, copied into these blocks before the step runs, so
+        this is not an admission: no prefix-cache query is counted. The blocks are registered
+        by ``hash_blocks`` after the step, as for any computed tokens.
+        """
+        self._check_block_size(seq)
+        if seq.block_table or seq.seq_id in self._holders:
+            raise ValueError(f"sequence {seq.seq_id} already has blocks {seq.block_table}")
+        if seq.num_blocks > len(self.free_block_ids):
+            raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {seq.num_blocks} free blocks to swap in, "
+                                    f"{len(self.free_block_ids)} are free")
+        for _ in range(seq.num_blocks):
+            seq.block_table.append(self._allocate_block().block_id)
+        seq.block_hashes = []
+        self._holders[seq.seq_id] = seq
+
+    def unregister_block(self, block_id: int) -> None:
+        """Withdraw a block's registration: its K/V were never written (a failed step that had
+        registered it when it was scheduled). The holder keeps the block, unregistered."""
+        block = self.blocks[block_id]
+        if block.hash == -1:
+            return
+        self._maybe_evict_cached_block(block)
+        self._forget_prefix_id(block)
+        block.update(-1, [], -1, -1)

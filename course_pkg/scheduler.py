@@ -20,6 +20,19 @@ batch of requests.
 After the model has run, ``postprocess`` advances ``seq.num_cached_tokens`` by the tokens the
 step computed and calls ``hash_blocks``, so only blocks whose K/V exist are ever offered as
 prefix-cache hits. Like the BlockManager it works on numbers only and imports no torch.
+
+Chapter 09 adds three options, each off by default so that chapter 06's lesson stays as it is:
+
+* ``scheduling="mixed"`` (vLLM v1's policy): every step first gives each running sequence its
+  decode token, then fills the rest of the token budget with prompt chunks, so one forward
+  pass holds decodes and prefill chunks and no prefill stalls the running sequences;
+* ``preemption_mode="swap"`` with ``num_cpu_blocks`` (vLLM v0's names): a victim's blocks are
+  copied to a CPU block pool (``course_pkg.swap``) and copied back when it is readmitted,
+  instead of being recomputed. ``schedule()`` lists the copies of its step in
+  ``blocks_to_swap_out`` / ``blocks_to_swap_in`` as ``(src, dst)`` block-id pairs; whoever
+  owns the KV tensors performs them before the forward pass, swap-outs first;
+* ``same_step_prefix_hits=True``: a block is registered when it is scheduled to be filled, not
+  after the step (see ``BlockManager.register_full_blocks`` for why that is safe).
 """
 from __future__ import annotations
 
@@ -29,7 +42,21 @@ from dataclasses import dataclass
 
 from course_pkg.block_manager import BlockManager
 from course_pkg.sequence import Sequence, SequenceStatus
-from course_pkg.validation import check_bool, check_positive_int, check_token_ids, is_int
+from course_pkg.swap import CpuBlockPool
+from course_pkg.validation import check_bool, check_choice, check_int, check_positive_int, check_token_ids, is_int
+
+SCHEDULING_POLICIES = ("prefill_first", "mixed")
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+def check_preemption(preemption_mode, num_cpu_blocks) -> None:
+    """Raise ``ValueError`` unless the preemption settings make sense together."""
+    check_choice("preemption_mode", preemption_mode, PREEMPTION_MODES)
+    if num_cpu_blocks is not None:
+        check_int("num_cpu_blocks", num_cpu_blocks, minimum=0)
+    if preemption_mode == "swap" and not num_cpu_blocks:
+        raise ValueError(f"preemption_mode='swap' needs a CPU block pool to swap to, but num_cpu_blocks="
+                         f"{num_cpu_blocks!r}; pass num_cpu_blocks >= 1, or use preemption_mode='recompute'")
 
 
 @dataclass
@@ -48,6 +75,10 @@ class SchedulerStats:
     prefill_kv_computed_tokens: int = 0
     num_prefill_steps: int = 0
     num_decode_steps: int = 0
+    num_mixed_steps: int = 0        # scheduling="mixed": steps holding decodes and prompt chunks
+    num_swapped_out: int = 0        # preemptions that swapped the victim's blocks to the CPU pool
+    num_swapped_in: int = 0
+    num_swap_fallbacks: int = 0     # swap preemptions recomputed instead: the CPU pool was full
 
 
 class Scheduler:
@@ -63,13 +94,21 @@ class Scheduler:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  eos_token_id: int | Iterable[int] | None = None, free_queue: str = "deque",
-                 block_manager: BlockManager | None = None):
+                 block_manager: BlockManager | None = None, scheduling: str = "prefill_first",
+                 preemption_mode: str = "recompute", num_cpu_blocks: int | None = None,
+                 same_step_prefix_hits: bool = False):
         """``block_manager``: an existing manager to schedule over (e.g. a course foil such as
         ``foils.ForwardReleaseBlockManager``), instead of a new ``BlockManager`` built from
         ``num_kvcache_blocks``, ``block_size``, ``enable_prefix_caching`` and ``free_queue``.
         Its pool size and block size must equal ``num_kvcache_blocks`` and ``block_size``;
         prefix caching and the free queue are then the given manager's own.
+
+        ``scheduling``, ``preemption_mode``, ``num_cpu_blocks`` and ``same_step_prefix_hits``:
+        chapter 09's options (see the module docstring).
         """
+        check_choice("scheduling", scheduling, SCHEDULING_POLICIES)
+        check_preemption(preemption_mode, num_cpu_blocks)
+        check_bool("same_step_prefix_hits", same_step_prefix_hits)
         check_positive_int("max_num_seqs", max_num_seqs)
         check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
         if max_model_len is not None:
@@ -98,6 +137,16 @@ class Scheduler:
         self.preempted: list[Sequence] = []  # sent back to waiting by the latest schedule()
         self.finished: list[Sequence] = []   # finished, not yet handed over by postprocess()
         self.stats = SchedulerStats()
+        self.scheduling = scheduling
+        self.preemption_mode = preemption_mode
+        self.same_step_prefix_hits = same_step_prefix_hits
+        self.cpu_pool: CpuBlockPool | None = CpuBlockPool(num_cpu_blocks) if preemption_mode == "swap" else None
+        # The latest schedule()'s copies, (src, dst) block ids: device -> CPU, then CPU -> device.
+        self.blocks_to_swap_out: list[tuple[int, int]] = []
+        self.blocks_to_swap_in: list[tuple[int, int]] = []
+        self._swapped_out_now: list[Sequence] = []   # this step's swap-outs and swap-ins
+        self._swapped_in_now: list[Sequence] = []
+        self._registered_now: set[int] = set()        # blocks registered when scheduled this step
 
     # ---------------------------------------------------------------- requests
 
@@ -176,6 +225,8 @@ class Scheduler:
                              f"(never added, or already finished and handed over)")
         if seq.block_table:
             self.block_manager.deallocate(seq)   # first: if it raises, nothing else changed
+        if self.cpu_pool is not None and seq.seq_id in self.cpu_pool:
+            self.cpu_pool.release(seq.seq_id)
         seq.num_scheduled_tokens = 0
         if seq.is_finished:
             self.finished.remove(seq)
@@ -200,6 +251,9 @@ class Scheduler:
         waits or runs.
         """
         self.preempted = []
+        self._begin_step()
+        if self.scheduling == "mixed":
+            return self._schedule_mixed()
         scheduled = self._schedule_prefill()
         if scheduled:
             self.stats.num_prefill_steps += 1
@@ -231,14 +285,13 @@ class Scheduler:
             if not continuing:
                 if len(self.running) >= self.max_num_seqs:  # (admitted prompts are in running)
                     break
-                num_cached_blocks = bm.can_allocate(seq)
-                if num_cached_blocks == -1:  # first come, first served: no overtaking
+                if not self._admit(seq):  # first come, first served: no overtaking
                     break
-                bm.allocate(seq, num_cached_blocks)  # counts prefix-cache queries and hits
             num_new_tokens = seq.num_tokens - seq.num_cached_tokens
             seq.num_scheduled_tokens = min(num_new_tokens, self.max_num_batched_tokens - num_batched_tokens)
             num_batched_tokens += seq.num_scheduled_tokens
             scheduled.append(seq)
+            self._register_scheduled(seq)
             if seq.num_scheduled_tokens < num_new_tokens:
                 break  # chunked: the budget is spent; the rest of this prompt comes next step
             seq.status = SequenceStatus.RUNNING
@@ -265,12 +318,15 @@ class Scheduler:
                 bm.may_append(seq)
                 seq.num_scheduled_tokens = seq.num_tokens - seq.num_cached_tokens  # == 1
                 scheduled.append(seq)
+                self._register_scheduled(seq)
                 i += 1
         return scheduled
 
     def preempt(self, seq: Sequence) -> None:
-        """Free a running ``seq``'s blocks and put it first in line; it is recomputed on readmission."""
-        self.block_manager.deallocate(seq)   # first: if it raises, nothing else changed
+        """Free a running ``seq``'s blocks and put it first in line; it is recomputed on readmission
+        -- or, with ``preemption_mode="swap"`` and room in the CPU pool, swapped back in."""
+        if not (self.cpu_pool is not None and self._swap_out(seq)):
+            self.block_manager.deallocate(seq)   # first: if it raises, nothing else changed
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_scheduled_tokens = 0
@@ -286,6 +342,7 @@ class Scheduler:
         A prompt that was moved to ``running`` without being computed goes back to the head
         of ``waiting``, where it continues like a chunked prompt.
         """
+        self._unschedule_swaps_and_registrations(seqs)
         back = []
         for seq in seqs:
             if seq.num_scheduled_tokens == 0:
@@ -297,6 +354,156 @@ class Scheduler:
             self.running.remove(seq)
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
+
+    # ---------------------------------------------------------------- chapter 09: policies
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Give the waiting ``seq`` its blocks, or return False if they do not fit.
+
+        A new or recomputed request is allocated (counting its prefix-cache query and hits); a
+        swapped-out one gets fresh blocks that its K/V are copied back into.
+        """
+        if self.cpu_pool is not None and seq.seq_id in self.cpu_pool:
+            return self._swap_in(seq)
+        num_cached_blocks = self.block_manager.can_allocate(seq)
+        if num_cached_blocks == -1:
+            return False
+        self.block_manager.allocate(seq, num_cached_blocks)  # counts prefix-cache queries and hits
+        return True
+
+    def _schedule_mixed(self) -> tuple[list[Sequence], bool]:
+        """vLLM v1's policy: decodes first, then prompt chunks in what is left of the budget.
+
+        Every running sequence gets its next token in every step (a prefill never stalls it);
+        waiting prompts share the rest of ``max_num_batched_tokens``, chunked where they do
+        not fit. ``is_prefill`` is True when the step holds prompt tokens.
+        """
+        decodes = self._schedule_decode()
+        prompts = self._schedule_prompt_chunks(self.max_num_batched_tokens - len(decodes))
+        if decodes and prompts:
+            self.stats.num_mixed_steps += 1
+        elif prompts:
+            self.stats.num_prefill_steps += 1
+        elif decodes:
+            self.stats.num_decode_steps += 1
+        elif self.waiting:
+            raise RuntimeError(f"nothing could be scheduled although {len(self.waiting)} requests "
+                               "wait and none runs (check() admits only requests that fit in the pool)")
+        return decodes + prompts, bool(prompts)
+
+    def _schedule_prompt_chunks(self, budget: int) -> list[Sequence]:
+        """Prompt tokens of waiting sequences, up to ``budget`` tokens, first come first served.
+
+        A partly prefilled prompt goes first, ahead of requests preempted since it started:
+        it already holds its blocks, which those requests may be waiting for.
+        """
+        scheduled: list[Sequence] = []
+        num_batched_tokens = 0
+        for seq in sorted(self.waiting, key=lambda s: not s.block_table):   # stable: FCFS otherwise
+            if num_batched_tokens >= budget:
+                break
+            if not seq.block_table:
+                if len(self.running) >= self.max_num_seqs or not self._admit(seq):
+                    break
+            num_new_tokens = seq.num_tokens - seq.num_cached_tokens
+            seq.num_scheduled_tokens = min(num_new_tokens, budget - num_batched_tokens)
+            num_batched_tokens += seq.num_scheduled_tokens
+            scheduled.append(seq)
+            self._register_scheduled(seq)
+            if seq.num_scheduled_tokens < num_new_tokens:
+                break  # chunked: the budget is spent
+            seq.status = SequenceStatus.RUNNING
+            self.waiting.remove(seq)
+            self.running.append(seq)
+        self.stats.prefill_kv_computed_tokens += num_batched_tokens
+        return scheduled
+
+    def _begin_step(self) -> None:
+        """Forget the previous step's swaps; the CPU blocks its swap-ins copied from are free now."""
+        for seq in self._swapped_in_now:
+            if seq.seq_id in self.cpu_pool:
+                self.cpu_pool.release(seq.seq_id)
+        self._swapped_in_now, self._swapped_out_now = [], []
+        self.blocks_to_swap_out, self.blocks_to_swap_in = [], []
+        self._registered_now = set()
+
+    def _swap_out(self, seq: Sequence) -> bool:
+        """Release ``seq``'s device blocks after listing their copy to the CPU pool; False (and
+        nothing changed but the fallback count) when the CPU pool has no room."""
+        num_blocks = -(-seq.num_cached_tokens // self.block_size)   # the blocks holding computed K/V
+        if not self.cpu_pool.can_swap_out(num_blocks):
+            self.stats.num_swap_fallbacks += 1
+            return False
+        device_blocks, num_computed = seq.block_table[:num_blocks], seq.num_cached_tokens
+        self.block_manager.deallocate(seq)   # first: if it raises, nothing else changed
+        cpu_blocks = self.cpu_pool.swap_out(seq.seq_id, num_blocks, num_computed)
+        # Safe although the freed blocks may be handed out again in this same step: the copies
+        # run before the forward pass that writes them.
+        self.blocks_to_swap_out += zip(device_blocks, cpu_blocks)
+        self._swapped_out_now.append(seq)
+        self.stats.num_swapped_out += 1
+        return True
+
+    def _swap_in(self, seq: Sequence) -> bool:
+        """Fresh device blocks for a swapped-out ``seq`` and the copies that refill them."""
+        if not self.block_manager.can_swap_in(seq):
+            return False
+        self.block_manager.allocate_for_swap_in(seq)
+        cpu_blocks = self.cpu_pool.block_table(seq.seq_id)
+        self.blocks_to_swap_in += zip(cpu_blocks, seq.block_table)
+        seq.num_cached_tokens = self.cpu_pool.num_computed_tokens(seq.seq_id)
+        # Its CPU blocks stay taken until the next schedule(): a failed step can still undo this.
+        self._swapped_in_now.append(seq)
+        self.stats.num_swapped_in += 1
+        return True
+
+    def _register_scheduled(self, seq: Sequence) -> None:
+        """With ``same_step_prefix_hits``: register the blocks this step's tokens of ``seq`` fill."""
+        if not self.same_step_prefix_hits:
+            return
+        before = len(seq.block_hashes)
+        self.block_manager.register_full_blocks(seq, seq.num_cached_tokens + seq.num_scheduled_tokens)
+        self._registered_now.update(seq.block_table[before:len(seq.block_hashes)])
+
+    def _unschedule_swaps_and_registrations(self, seqs: list[Sequence]) -> None:
+        """The part of ``unschedule`` that chapter 09's options need; the step's copies and K/V
+        writes may or may not have happened, so nothing may rely on them.
+
+        * a swap-in not recorded goes back to the swapped state (it only read its CPU blocks,
+          which are still its own);
+        * a swap-out becomes a recomputation (its CPU copy may never have been made);
+        * blocks registered when scheduled are withdrawn, and a sequence admitted on a hit on
+          one of them is released and queued again as a new admission.
+        """
+        bm = self.block_manager
+        back = []
+        for seq in [s for s in self._swapped_in_now if s.num_scheduled_tokens > 0]:
+            bm.deallocate(seq)
+            self._swapped_in_now.remove(seq)
+            back.append(seq)
+        for seq in self._swapped_out_now:
+            if seq.seq_id in self.cpu_pool:
+                self.cpu_pool.release(seq.seq_id)
+        self._swapped_out_now = []
+        if self._registered_now:
+            unwritten = self._registered_now
+            for seq in seqs:
+                if seq.num_scheduled_tokens > 0 and unwritten.intersection(seq.block_table[:seq.num_cached_blocks]):
+                    bm.deallocate(seq)
+                    back.append(seq)
+            for seq in seqs:
+                if seq.num_scheduled_tokens > 0 and seq.block_table:
+                    del seq.block_hashes[seq.num_cached_blocks:]
+            for block_id in sorted(unwritten):
+                bm.unregister_block(block_id)
+            self._registered_now = set()
+        for seq in reversed(back):
+            seq.num_scheduled_tokens = 0
+            if seq.status == SequenceStatus.RUNNING:
+                self.running.remove(seq)
+                seq.status = SequenceStatus.WAITING
+                self.waiting.appendleft(seq)
+            # (a chunked prompt is in waiting already, where it now waits as a new request)
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int | None]) -> list[Sequence]:
         """Record a step's results; return the sequences that finished (each exactly once).

@@ -35,18 +35,45 @@ from course_pkg.engine.model_runner import ModelRunner
 from course_pkg.sampling_params import SamplingParams
 from course_pkg.scheduler import Scheduler
 from course_pkg.sequence import Sequence
-from course_pkg.validation import INT64_MAX, check_bool, check_int, check_positive_int, check_token_ids
+from course_pkg.validation import INT64_MAX, check_bool, check_choice, check_int, check_positive_int, check_token_ids
 
 
 @dataclass
 class RequestMetrics:
-    """Times (``time.perf_counter`` seconds) in the life of one request."""
+    """Times (``time.perf_counter`` seconds) in the life of one request.
+
+    ``arrival_step`` and ``token_steps`` say the same in engine steps (the step that was next
+    when the request arrived; the step that sampled each token): deterministic, for notebooks.
+    """
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    last_token_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
+    arrival_step: int = 0
+    token_steps: list[int] = field(default_factory=list)
+
+    @property
+    def queue_time(self) -> float | None:
+        """From arrival until first scheduled (vLLM's ``request_queue_time``)."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        """From arrival until finished."""
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    def record_token(self, now: float, step: int) -> None:
+        """A token was sampled for this request at ``now``, in engine step ``step``."""
+        if self.first_token_time is None:
+            self.first_token_time = now
+        else:
+            self.inter_token_latencies.append(now - self.last_token_time)
+        self.last_token_time = now
+        self.token_steps.append(step)
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -95,6 +122,11 @@ class EngineMetrics:
     prefill_kv_computed_tokens: int     # tokens prefill steps computed (cache hits excluded)
     num_prefill_steps: int
     num_decode_steps: int
+    num_mixed_steps: int = 0            # scheduling="mixed": steps with decodes and prompt chunks
+    num_swapped_out: int = 0            # preemption_mode="swap": victims swapped to the CPU pool
+    num_swapped_in: int = 0
+    num_swap_fallbacks: int = 0         # swap preemptions recomputed because the CPU pool was full
+    cpu_kv_cache_usage_perc: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -149,8 +181,17 @@ class LLMEngine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, attention_backend: str = "auto",
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 seed: int = 0, free_queue: str = "linked"):
+                 seed: int = 0, free_queue: str = "linked", scheduling: str = "prefill_first",
+                 preemption_mode: str = "recompute", num_cpu_blocks: int | None = None,
+                 same_step_prefix_hits: bool = False):
+        from course_pkg.engine.metrics import PrometheusMetrics
         from course_pkg.models import load_model
+        from course_pkg.scheduler import SCHEDULING_POLICIES, check_preemption
+
+        # Chapter 09's options are checked before the model loads (the Scheduler checks them too).
+        check_choice("scheduling", scheduling, SCHEDULING_POLICIES)
+        check_preemption(preemption_mode, num_cpu_blocks)
+        check_bool("same_step_prefix_hits", same_step_prefix_hits)
 
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
@@ -169,18 +210,28 @@ class LLMEngine:
             self.model, self.config, block_size=block_size, num_kvcache_blocks=num_kvcache_blocks,
             kv_cache_memory_bytes=kv_cache_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
             attention_backend=attention_backend, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, seed=seed)
+            max_model_len=max_model_len, seed=seed,
+            num_cpu_blocks=num_cpu_blocks if preemption_mode == "swap" else 0)
         eos = stop_token_ids(model, self.config, self.tokenizer)
         self.scheduler = Scheduler(
             self.model_runner.num_kvcache_blocks, block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, eos_token_id=eos, free_queue=free_queue)
+            enable_prefix_caching=enable_prefix_caching, eos_token_id=eos, free_queue=free_queue,
+            scheduling=scheduling, preemption_mode=preemption_mode, num_cpu_blocks=num_cpu_blocks,
+            same_step_prefix_hits=same_step_prefix_hits)
         self.block_size = block_size
         self.num_steps = 0
         self.last_step: StepInfo | None = None
         self._requests: dict[int, _Request] = {}     # every request not yet handed out
         self._unreported: list[Sequence] = []        # finished; their outputs not built yet
         self._lock = threading.RLock()
+        self.prometheus = PrometheusMetrics(Path(model).name if model is not None else "course-tiny")
+        self.prometheus.update(self.get_metrics())
+
+    @property
+    def metrics_registry(self):
+        """The ``prometheus_client.CollectorRegistry`` with this engine's metrics (vLLM's names)."""
+        return self.prometheus.registry
 
     @contextmanager
     def _exclusive(self):
@@ -235,7 +286,8 @@ class LLMEngine:
         now = time.perf_counter()
         for seq, prompt in zip(seqs, prompts):
             self._requests[seq.seq_id] = _Request(seq, prompt if isinstance(prompt, str) else None,
-                                                  RequestMetrics(arrival_time=now))
+                                                  RequestMetrics(arrival_time=now, arrival_step=self.num_steps))
+        self.prometheus.update(self.get_metrics())
         return [seq.seq_id for seq in seqs]
 
     def abort_request(self, request_id: int) -> RequestOutput:
@@ -254,6 +306,7 @@ class LLMEngine:
                 self.scheduler.abort(seq)
             out = self._make_output(seq)   # if this raises, a second call returns the output
             del self._requests[request_id]
+            self._observe_finished([out])
             return out
 
     def get_sequence(self, request_id: int) -> Sequence:
@@ -279,6 +332,7 @@ class LLMEngine:
             preempted = tuple(s.seq_id for s in self.scheduler.preempted)
             self._note_scheduled(seqs, preempted, time.perf_counter())
             try:
+                self.model_runner.swap(self.scheduler.blocks_to_swap_out, self.scheduler.blocks_to_swap_in)
                 token_ids = self.model_runner.run(seqs)
                 self._unreported += self.scheduler.postprocess(seqs, token_ids)
             except BaseException:
@@ -286,9 +340,12 @@ class LLMEngine:
                 raise
             now = time.perf_counter()
             for seq, token in zip(seqs, token_ids):
-                metrics = self._requests[seq.seq_id].metrics
-                if token is not None and metrics.first_token_time is None:
-                    metrics.first_token_time = now
+                if token is not None:
+                    metrics = self._requests[seq.seq_id].metrics
+                    first = metrics.first_token_time is None
+                    metrics.record_token(now, self.num_steps)
+                    self.prometheus.observe_token(metrics.time_to_first_token if first else None,
+                                                  None if first else metrics.inter_token_latencies[-1])
             # Build every output before handing any out: if the tokenizer raises, they all
             # stay pending and the next step hands them out.
             outputs = [self._make_output(seq) for seq in self._unreported]
@@ -300,7 +357,13 @@ class LLMEngine:
                 sampled=tuple((s.seq_id, t) for s, t in zip(seqs, token_ids) if t is not None),
                 preempted=preempted, finished=tuple(out.request_id for out in outputs))
             self.num_steps += 1
+            self._observe_finished(outputs)
             return outputs
+
+    def _observe_finished(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self.prometheus.observe_finished(out.metrics.e2e_latency, out.metrics.queue_time)
+        self.prometheus.update(self.get_metrics())
 
     def _note_scheduled(self, seqs: list[Sequence], preempted: tuple[int, ...], now: float) -> None:
         for rid in preempted:
@@ -335,7 +398,10 @@ class LLMEngine:
             prefix_cache_hit_rate=cache.hit_rate, num_preemptions=stats.num_preemptions,
             prompt_tokens=stats.prompt_tokens, generation_tokens=stats.generation_tokens,
             prefill_kv_computed_tokens=stats.prefill_kv_computed_tokens,
-            num_prefill_steps=stats.num_prefill_steps, num_decode_steps=stats.num_decode_steps)
+            num_prefill_steps=stats.num_prefill_steps, num_decode_steps=stats.num_decode_steps,
+            num_mixed_steps=stats.num_mixed_steps, num_swapped_out=stats.num_swapped_out,
+            num_swapped_in=stats.num_swapped_in, num_swap_fallbacks=stats.num_swap_fallbacks,
+            cpu_kv_cache_usage_perc=sched.cpu_pool.usage if sched.cpu_pool is not None else 0.0)
 
 
 def _as_ids(value) -> list[int]:

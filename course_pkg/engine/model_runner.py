@@ -48,7 +48,7 @@ class ModelRunner:
     def __init__(self, model, config, *, block_size: int = 16, num_kvcache_blocks: int | None = None,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  attention_backend: str = "auto", max_num_batched_tokens: int = 8192,
-                 max_model_len: int | None = None, seed: int = 0):
+                 max_model_len: int | None = None, seed: int = 0, num_cpu_blocks: int = 0):
         param = next(model.parameters())
         self.model = model
         self.config = config
@@ -70,6 +70,43 @@ class ModelRunner:
                                     self.head_dim, dtype=self.dtype, device=self.device)
         # Per layer, (k_cache, v_cache): views into the one tensor, no copies.
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(self.num_layers)]
+        self.cpu_kv_cache = self._allocate_cpu_cache(num_cpu_blocks)
+
+    # ---------------------------------------------------------------- swapping (chapter 09)
+
+    def _allocate_cpu_cache(self, num_cpu_blocks: int) -> torch.Tensor | None:
+        """The host tensor that swapped-out blocks are copied to: the device cache's layout with
+        ``num_cpu_blocks`` blocks. Pinned on CUDA: only page-locked memory copies at full bus
+        speed (and asynchronously)."""
+        if not num_cpu_blocks:
+            return None
+        shape = (2, self.num_layers, num_cpu_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device="cpu", pin_memory=self.device.type == "cuda")
+
+    def swap(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]]) -> None:
+        """One step's copies, swap-outs first: a block a swap-out frees may be the target of a
+        swap-in of the same step, and it must be saved before it is overwritten."""
+        self.swap_out(blocks_to_swap_out)
+        self.swap_in(blocks_to_swap_in)
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to CPU blocks: ``pairs`` of (device block, CPU block), all layers, K and V."""
+        if not pairs:
+            return
+        src = torch.tensor([d for d, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([c for _, c in pairs], dtype=torch.long)
+        self.cpu_kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src).to("cpu"))
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy CPU blocks back into device blocks: ``pairs`` of (CPU block, device block)."""
+        if not pairs:
+            return
+        src = torch.tensor([c for c, _ in pairs], dtype=torch.long)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        blocks = self.cpu_kv_cache.index_select(2, src)
+        if self.device.type == "cuda":
+            blocks = blocks.pin_memory()
+        self.kv_cache.index_copy_(2, dst, blocks.to(self.device, non_blocking=True))
 
     # ---------------------------------------------------------------- sizing the cache
 
