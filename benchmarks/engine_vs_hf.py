@@ -22,7 +22,9 @@ Part 2, prefix caching. 64 requests share a 1,024-token system prompt and differ
 token question. With caching on and off it prints the prompt tokens the prefill steps actually
 computed and the wall time. With a token budget of 1,024 tokens per step the first request's
 prefix is computed before the next one is admitted; with a large budget, requests admitted in
-the same step as the first cannot hit blocks whose K/V do not exist yet -- both are printed.
+the same step as the first cannot hit blocks whose K/V do not exist yet -- both are printed,
+and then both again with ``same_step_prefix_hits=True`` (chapter 09), which registers a block
+when it is scheduled to be filled, so requests of that same step hit it.
 """
 from __future__ import annotations
 
@@ -123,18 +125,20 @@ def prefix_caching(args, path) -> None:
     print(f"\nprefix caching: 64 requests = one 1024-token system prompt + a 16-64 token question, "
           f"16 output tokens; {num_prompt} prompt tokens in all")
     rows = []
-    for caching, budget in ((False, 1024), (True, 1024), (True, 8192)):
+    for caching, budget, same_step in ((False, 1024, False), (True, 1024, False), (True, 8192, False),
+                                       (True, 1024, True), (True, 8192, True)):
         _, elapsed, m = run_engine(path, workload, 64, block_size=16, max_num_batched_tokens=budget,
-                                   enable_prefix_caching=caching,
+                                   enable_prefix_caching=caching, same_step_prefix_hits=same_step,
                                    kv_cache_memory_bytes=args.kv_cache_mib * 2**20, attention_backend="torch")
-        rows.append((caching, budget, m.prefill_kv_computed_tokens, elapsed, m.prefix_cache_hit_rate))
-        print(f"  caching {'on ' if caching else 'off'} budget {budget:5d} tok/step: "
+        rows.append((caching, budget, same_step, m.prefill_kv_computed_tokens, elapsed))
+        print(f"  caching {'on ' if caching else 'off'}{' same-step hits' if same_step else ''} "
+              f"budget {budget:5d} tok/step: "
               f"prefill computed {m.prefill_kv_computed_tokens:6d} tokens, {elapsed:6.1f} s, "
               f"prefix-cache hit rate {m.prefix_cache_hit_rate:.3f}")
     off = rows[0]
-    for caching, budget, computed, elapsed, _ in rows[1:]:
-        print(f"  on vs off (budget {budget}): prefill tokens cut by {1 - computed / off[2]:.1%}, "
-              f"wall time {off[3] / elapsed:.2f}x faster")
+    for caching, budget, same_step, computed, elapsed in rows[1:]:
+        print(f"  on{' (same-step hits)' if same_step else ''} vs off (budget {budget}): prefill tokens cut by "
+              f"{1 - computed / off[3]:.1%}, wall time {off[4] / elapsed:.2f}x faster")
 
 
 def main() -> None:
