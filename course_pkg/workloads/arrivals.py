@@ -66,6 +66,8 @@ class ServeResult:
     requests: list[ServedRequest]
     steps: list = field(default_factory=list)      # StepInfo of every step, in order
     elapsed: float = 0.0                            # clock units from the first arrival to the end
+    step_seconds: list[float] = field(default_factory=list)   # wall time of every step
+    step_clock: list[float] = field(default_factory=list)     # when each step started, on the serving clock
 
     @property
     def num_output_tokens(self) -> int:
@@ -103,7 +105,7 @@ def serve(llm, trace: list[TimedRequest], *, clock: str = "steps", static: bool 
     pending = list(trace)
     requests: dict[int, TimedRequest] = {}
     served: list[ServedRequest] = []
-    steps = []
+    steps, step_seconds, clock_at_start = [], [], []
     while pending or llm.has_unfinished_requests():
         idle = not llm.has_unfinished_requests()
         if idle and pending[0].arrival > now():
@@ -117,7 +119,10 @@ def serve(llm, trace: list[TimedRequest], *, clock: str = "steps", static: bool 
                 params = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
                 requests[llm.add_request(req.prompt, params)] = req
         step_start[llm.num_steps] = virtual
+        clock_at_start.append(now())
+        t0 = time.perf_counter()
         outputs = llm.step()
+        step_seconds.append(time.perf_counter() - t0)
         virtual += 1
         steps.append(llm.last_step)
         for out in outputs:
@@ -131,4 +136,4 @@ def serve(llm, trace: list[TimedRequest], *, clock: str = "steps", static: bool 
             served.append(ServedRequest(out.request_id, req.arrival, len(req.prompt), times, list(m.token_steps)))
     served.sort(key=lambda r: r.request_id)
     end = max(r.token_times[-1] for r in served)
-    return ServeResult(served, steps, end - min(r.arrival for r in served))
+    return ServeResult(served, steps, end - min(r.arrival for r in served), step_seconds, clock_at_start)
