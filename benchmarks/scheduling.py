@@ -174,8 +174,8 @@ def swap_part(args, path, tmp) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-requests", type=int, default=24)
-    ap.add_argument("--rate", type=float, default=1.0, help="arrivals per second (Poisson)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--rate", type=float, default=2.0, help="arrivals per second (Poisson)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--swap-repeats", type=int, default=3)

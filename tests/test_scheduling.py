@@ -265,6 +265,34 @@ def test_a_same_step_hit_gives_the_huggingface_tokens(hf_model):
         assert llm.get_metrics().num_prefill_steps == 1     # both prompts in the first step
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_registering_when_scheduled_names_blocks_as_hash_blocks_does(seed):
+    """Where no same-step hit is possible (one admission per step), registering at schedule time
+    must leave exactly the index, hashes and prefix ids that registering after the step leaves."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(1, 50) for _ in range(8)]
+    prompts = [shared[:rng.randrange(0, 9)] + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 12))]
+               for _ in range(6)]
+
+    def run(option):
+        sched = Scheduler(40, 4, max_num_seqs=1, max_num_batched_tokens=5, same_step_prefix_hits=option)
+        seqs = [Sequence(list(p), SamplingParams(max_tokens=4), block_size=4) for p in prompts]
+        sched.add_all(seqs)
+        states, tokens = [], iter(range(1000, 2000))
+        while not sched.is_finished():
+            batch, _ = sched.schedule()
+            results = [next(tokens) if s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens else None
+                       for s in batch]
+            sched.postprocess(batch, results)
+            bm = sched.block_manager
+            states.append((dict(bm.hash_to_block_id),
+                           [(b.hash, b.prefix_id, b.parent_prefix_id, tuple(b.token_ids)) for b in bm.blocks],
+                           [s.num_cached_tokens for s in seqs]))
+        return states
+
+    assert run(True) == run(False)
+
+
 def test_a_failed_step_withdraws_the_blocks_it_registered_when_scheduled():
     sched = Scheduler(20, 4, same_step_prefix_hits=True)
     shared = [1, 2, 3, 4, 5, 6, 7, 8]
