@@ -97,19 +97,27 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.preempted: list[Sequence] = []  # sent back to waiting by the latest schedule()
         self.finished: list[Sequence] = []   # finished, not yet handed over by postprocess()
+        # Copy-on-write copies (src, dst) that the K/V owner must make before the next forward
+        # pass (vLLM's blocks_to_copy). Kept until a step is recorded, so a failed step's
+        # copies are made again.
+        self.blocks_to_copy: list[tuple[int, int]] = []
         self.stats = SchedulerStats()
 
     # ---------------------------------------------------------------- requests
 
     def max_blocks_needed(self, seq: Sequence) -> int:
-        """Blocks ``seq`` holds at its longest: every token but the last one generated is stored.
+        """Blocks ``seq``'s request holds at its longest: every token but the last one generated
+        is stored (the final token is sampled and returned, never fed back).
 
-        The final token is sampled and returned, never fed back, so its K/V are never written.
+        With ``n`` completions, the full blocks of the prompt are shared by all of them and
+        every completion holds the rest on its own.
         """
         final_len = seq.num_prompt_tokens + seq.max_tokens
         if self.max_model_len is not None:
             final_len = min(final_len, self.max_model_len)
-        return (final_len - 1 + self.block_size - 1) // self.block_size
+        per_completion = (final_len - 1 + self.block_size - 1) // self.block_size
+        shared = min(seq.num_prompt_tokens // self.block_size, per_completion)
+        return shared + seq.sampling_params.n * (per_completion - shared)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request, or raise if it can never run (and queue nothing)."""
@@ -229,7 +237,8 @@ class Scheduler:
             seq = self.waiting[0]
             continuing = bool(seq.block_table)  # a chunked prompt from the last step
             if not continuing:
-                if len(self.running) >= self.max_num_seqs:  # (admitted prompts are in running)
+                # (admitted prompts are in running; a request of n completions takes n seats)
+                if len(self.running) + seq.num_samples > self.max_num_seqs:
                     break
                 num_cached_blocks = bm.can_allocate(seq)
                 if num_cached_blocks == -1:  # first come, first served: no overtaking
@@ -262,7 +271,7 @@ class Scheduler:
                 if victim is seq:           # it was the last one: it gave up its own blocks
                     break
             else:
-                bm.may_append(seq)
+                self.blocks_to_copy += bm.may_append(seq)   # copy-on-write of a shared last block
                 seq.num_scheduled_tokens = seq.num_tokens - seq.num_cached_tokens  # == 1
                 scheduled.append(seq)
                 i += 1
@@ -298,33 +307,45 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int | None]) -> list[Sequence]:
+    def postprocess(self, seqs: list[Sequence], token_ids: list, logprobs: list | None = None) -> list[Sequence]:
         """Record a step's results; return the sequences that finished (each exactly once).
 
         ``token_ids[i]`` is the token sampled for ``seqs[i]``, or None when that sequence
-        computed only a chunk of its prompt (there is nothing to sample yet).
+        computed only a chunk of its prompt (there is nothing to sample yet), or -- for the
+        first sampled step of a request with ``n > 1`` completions -- a list of ``n`` tokens:
+        the sequence then forks into ``n``, sharing all its blocks (``BlockManager.fork``).
+        ``logprobs``, in the same shape, add to each sequence's ``cumulative_logprob``.
 
         The order makes a failure part-way harmless. The results are checked first, for the
         whole batch. Then plain bookkeeping that cannot fail: tokens counted as cached and
-        appended, finished sequences taken out of ``running`` into ``finished``. Then the
-        calls that may fail: ``hash_blocks`` (incremental, so a missed call is made up by the
-        next one) and the release of the finished sequences' blocks (retried by the next
-        call, which also hands over whatever this one could not).
+        appended, forks made, finished sequences taken out of ``running`` into ``finished``.
+        Then the calls that may fail: ``hash_blocks`` (incremental, so a missed call is made up
+        by the next one) and the release of the finished sequences' blocks (retried by the
+        next call, which also hands over whatever this one could not).
         """
         self._check_step_results(seqs, token_ids)
-        for seq, token_id in zip(seqs, token_ids):
+        if logprobs is None:
+            logprobs = [None if t is None else [0.0] * len(t) if isinstance(t, list) else 0.0 for t in token_ids]
+        self.blocks_to_copy = []   # the step ran: its copies are made
+        for seq, token_id, logprob in zip(seqs, token_ids, logprobs):
             # The step wrote the K/V of the scheduled tokens: they are cached now.
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             if token_id is None:  # a chunk of a prompt: nothing to sample yet
                 continue
-            seq.append_token(token_id)
-            self.stats.generation_tokens += 1
-            status = self._finish_status(seq, token_id)
-            if status is not None:
-                self.running.remove(seq)
-                seq.status = status
-                self.finished.append(seq)
+            if isinstance(token_id, list):   # n completions: fork before they diverge
+                group, tokens, lps = [seq] + self._fork(seq, len(token_id) - 1), token_id, logprob
+            else:
+                group, tokens, lps = [seq], [token_id], [logprob]
+            for s, t, lp in zip(group, tokens, lps):
+                s.append_token(t)
+                s.cumulative_logprob += lp
+                self.stats.generation_tokens += 1
+                status = self._finish_status(s, t)
+                if status is not None:
+                    self.running.remove(s)
+                    s.status = status
+                    self.finished.append(s)
         # Offer the blocks the step completed to other sequences -- a finishing sequence's
         # too: its blocks stay cached after release, and a chat's next turn may reuse them.
         for seq in seqs:
@@ -335,6 +356,18 @@ class Scheduler:
                 self.block_manager.deallocate(seq)
         finished, self.finished = self.finished, []
         return finished
+
+    def _fork(self, seq: Sequence, num_children: int) -> list[Sequence]:
+        """Completions 1 .. num_children of ``seq``'s request: forks sharing its blocks, placed
+        right after it in ``running`` (a group is preempted from its newest member on)."""
+        children = [seq.fork(j) for j in range(1, num_children + 1)]
+        for child in children:
+            self.block_manager.fork(seq, child)
+        seq.children = children
+        at = self.running.index(seq) + 1
+        for j, child in enumerate(children):
+            self.running.insert(at + j, child)
+        return children
 
     def _check_step_results(self, seqs: list[Sequence], token_ids: list[int | None]) -> None:
         """Raise ``ValueError`` unless the results fit the step ``schedule`` built; change nothing.
@@ -349,9 +382,18 @@ class Scheduler:
             if seq.num_scheduled_tokens < 1 or not seq.block_table:
                 raise ValueError(f"sequence {seq.seq_id} has no tokens scheduled in this step "
                                  f"(not scheduled, or its results were already recorded)")
-            if token_id is not None and (not is_int(token_id) or token_id < 0):
-                raise ValueError(f"sequence {seq.seq_id}: sampled token {token_id!r} is not a token id "
-                                 f"(an integer >= 0)")
+            n = seq.num_samples
+            if n > 1 and token_id is not None:
+                if not isinstance(token_id, list) or len(token_id) != n:
+                    raise ValueError(f"sequence {seq.seq_id} samples its first tokens for {n} completions: "
+                                     f"expected a list of {n} token ids, got {token_id!r}")
+                tokens = token_id
+            else:
+                tokens = [] if token_id is None else [token_id]
+            for t in tokens:
+                if not is_int(t) or t < 0:
+                    raise ValueError(f"sequence {seq.seq_id}: sampled token {t!r} is not a token id "
+                                     f"(an integer >= 0)")
             completes = seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens
             if completes and token_id is None:
                 raise ValueError(f"sequence {seq.seq_id} computed its last token but got no sampled token")

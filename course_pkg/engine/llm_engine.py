@@ -55,12 +55,29 @@ class RequestMetrics:
 
 
 @dataclass
+class CompletionOutput:
+    """One completion of a request (vLLM's ``CompletionOutput``): completion ``index`` of ``n``.
+
+    ``cumulative_logprob`` is the sum of the model's log-probabilities (``log_softmax`` of the
+    raw logits) of the completion's tokens.
+    """
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    cumulative_logprob: float
+    finish_reason: str
+
+
+@dataclass
 class RequestOutput:
     """What ``generate`` returns per prompt (names as in vLLM's ``RequestOutput``).
 
-    ``num_cached_tokens`` is how many prompt tokens the prefix cache provided when the
+    ``outputs`` holds the request's ``n`` completions in index order; ``text``, ``token_ids``
+    and ``finish_reason`` are the first one's, so code written for ``n == 1`` reads them
+    directly. ``num_cached_tokens`` is how many prompt tokens the prefix cache provided when the
     request was first admitted (not ``Sequence.num_cached_tokens``, which counts every token
-    computed so far). ``finish_reason`` is ``"stop"`` (end-of-sequence token), ``"length"``
+    computed so far). A ``finish_reason`` is ``"stop"`` (end-of-sequence token), ``"length"``
     (``max_tokens`` or ``max_model_len`` reached) or ``"abort"`` (``abort_request``), as the
     Scheduler decided it.
     """
@@ -68,11 +85,21 @@ class RequestOutput:
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str | None
-    token_ids: list[int]
-    finish_reason: str
+    outputs: list[CompletionOutput]
     num_cached_tokens: int
     metrics: RequestMetrics
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
 
     def __getitem__(self, key: str):  # Nano-vLLM returns dicts: out["text"], out["token_ids"]
         return getattr(self, key)
@@ -179,7 +206,7 @@ class LLMEngine:
         self.num_steps = 0
         self.last_step: StepInfo | None = None
         self._requests: dict[int, _Request] = {}     # every request not yet handed out
-        self._unreported: list[Sequence] = []        # finished; their outputs not built yet
+        self._ready: list[int] = []                  # requests whose every completion finished
         self._lock = threading.RLock()
 
     @contextmanager
@@ -247,14 +274,20 @@ class LLMEngine:
         with self._exclusive():
             if request_id not in self._requests:
                 raise KeyError(f"no unfinished request with id {request_id}")
-            seq = self._requests[request_id].seq
-            if any(s is seq for s in self._unreported):
-                self._unreported.remove(seq)
-            elif self.scheduler.holds(seq):
-                self.scheduler.abort(seq)
-            out = self._make_output(seq)   # if this raises, a second call returns the output
+            if request_id not in self._ready:
+                for seq in self._completions(request_id):
+                    if self.scheduler.holds(seq):
+                        self.scheduler.abort(seq)
+            out = self._make_output(request_id)   # if this raises, a second call returns it
+            if request_id in self._ready:
+                self._ready.remove(request_id)
             del self._requests[request_id]
             return out
+
+    def _completions(self, request_id: int) -> list[Sequence]:
+        """The sequences of a request: its own, then its forks (completions 1 .. n-1)."""
+        seq = self._requests[request_id].seq
+        return [seq] + seq.children
 
     def get_sequence(self, request_id: int) -> Sequence:
         """The live Sequence of an unfinished request (to watch its block table)."""
@@ -279,22 +312,27 @@ class LLMEngine:
             preempted = tuple(s.seq_id for s in self.scheduler.preempted)
             self._note_scheduled(seqs, preempted, time.perf_counter())
             try:
-                token_ids = self.model_runner.run(seqs)
-                self._unreported += self.scheduler.postprocess(seqs, token_ids)
+                self.model_runner.copy_blocks(self.scheduler.blocks_to_copy)   # copy-on-write
+                token_ids, logprobs = self.model_runner.run_with_logprobs(seqs)
+                finished = self.scheduler.postprocess(seqs, token_ids, logprobs)
             except BaseException:
                 self.scheduler.unschedule(seqs)   # nothing recorded: the next step redoes it
                 raise
+            for seq in finished:   # a request is done when all its completions are
+                rid = seq.request_id
+                if rid not in self._ready and all(s.is_finished for s in self._completions(rid)):
+                    self._ready.append(rid)
             now = time.perf_counter()
             for seq, token in zip(seqs, token_ids):
-                metrics = self._requests[seq.seq_id].metrics
+                metrics = self._requests[seq.request_id].metrics
                 if token is not None and metrics.first_token_time is None:
                     metrics.first_token_time = now
             # Build every output before handing any out: if the tokenizer raises, they all
             # stay pending and the next step hands them out.
-            outputs = [self._make_output(seq) for seq in self._unreported]
-            for seq in self._unreported:
-                del self._requests[seq.seq_id]
-            self._unreported = []
+            outputs = [self._make_output(rid) for rid in self._ready]
+            for rid in self._ready:
+                del self._requests[rid]
+            self._ready = []
             self.last_step = StepInfo(
                 step=self.num_steps, is_prefill=is_prefill, scheduled=scheduled,
                 sampled=tuple((s.seq_id, t) for s, t in zip(seqs, token_ids) if t is not None),
@@ -303,25 +341,27 @@ class LLMEngine:
             return outputs
 
     def _note_scheduled(self, seqs: list[Sequence], preempted: tuple[int, ...], now: float) -> None:
-        for rid in preempted:
-            self._requests[rid].metrics.num_preemptions += 1
+        for seq in self.scheduler.preempted:
+            self._requests[seq.request_id].metrics.num_preemptions += 1
         for seq in seqs:
-            req = self._requests[seq.seq_id]
+            req = self._requests[seq.request_id]
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
                 req.num_cached_tokens = seq.num_cached_tokens   # the prefix-cache hit at admission
 
-    def _make_output(self, seq: Sequence) -> RequestOutput:
-        req = self._requests[seq.seq_id]
+    def _make_output(self, request_id: int) -> RequestOutput:
+        req = self._requests[request_id]
         if req.metrics.finished_time is None:
             req.metrics.finished_time = time.perf_counter()
-        tokens = seq.completion_token_ids
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return RequestOutput(request_id=seq.seq_id, prompt=req.prompt, prompt_token_ids=seq.prompt_token_ids,
-                             text=text, token_ids=tokens, finish_reason=seq.finish_reason,
-                             num_cached_tokens=req.num_cached_tokens, metrics=req.metrics)
+        outputs = []
+        for seq in self._completions(request_id):
+            tokens = seq.completion_token_ids
+            text = None if self.tokenizer is None else self.tokenizer.decode(tokens, skip_special_tokens=True)
+            outputs.append(CompletionOutput(index=seq.index, text=text, token_ids=tokens,
+                                            cumulative_logprob=seq.cumulative_logprob,
+                                            finish_reason=seq.finish_reason or "abort"))
+        return RequestOutput(request_id=request_id, prompt=req.prompt, prompt_token_ids=req.seq.prompt_token_ids,
+                             outputs=outputs, num_cached_tokens=req.num_cached_tokens, metrics=req.metrics)
 
     # ---------------------------------------------------------------- metrics
 

@@ -193,13 +193,47 @@ class ModelRunner:
                 tensor(logits_rows, torch.long), sample_seqs)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> list[int | None]:
-        """Compute the scheduled tokens of ``seqs``; one sampled token per sequence, or None
-        for a sequence that computed only a chunk of its prompt."""
+    def run(self, seqs: list[Sequence]) -> list[int | list[int] | None]:
+        """Compute the scheduled tokens of ``seqs``; one sampled token per sequence (a list of
+        ``seq.num_samples`` for a sequence about to fork), or None for a sequence that computed
+        only a chunk of its prompt."""
+        return self.run_with_logprobs(seqs)[0]
+
+    @torch.inference_mode()
+    def run_with_logprobs(self, seqs: list[Sequence]):
+        """``run``, plus the log-probability of each sampled token, in the same shape."""
         if not seqs:
-            return []
+            return [], []
+        logits, sample_seqs = self._forward(seqs)
+        tokens, logprobs = self.sampler.sample(logits, sample_seqs) if sample_seqs else ([], [])
+        by_seq = {id(seq): (t, lp) for seq, t, lp in zip(sample_seqs, tokens, logprobs)}
+        results = [by_seq.get(id(seq), (None, None)) for seq in seqs]
+        return [t for t, _ in results], [lp for _, lp in results]
+
+    @torch.inference_mode()
+    def compute_logprobs(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Compute the scheduled tokens of ``seqs`` (each must reach its last token) and return
+        the next-token log-probabilities, ``[len(seqs), vocab]`` float32 (beam search)."""
+        logits, sample_seqs = self._forward(seqs)
+        if len(sample_seqs) != len(seqs):
+            raise ValueError("compute_logprobs needs every sequence to reach its last token")
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def _forward(self, seqs: list[Sequence]):
         input_ids, positions, attn, logits_rows, sample_seqs = self.prepare(seqs)
         hidden = self.model(input_ids, positions, attn, self.kv_caches)
-        tokens = self.sampler(self.model.compute_logits(hidden[logits_rows]), sample_seqs) if sample_seqs else []
-        by_seq = {id(seq): t for seq, t in zip(sample_seqs, tokens)}
-        return [by_seq.get(id(seq)) for seq in seqs]
+        logits = self.model.compute_logits(hidden[logits_rows]) if sample_seqs else None
+        return logits, sample_seqs
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block ``dst`` receives block ``src``'s K and V, in every layer.
+
+        Done before the step's forward pass, which then writes the new token into ``dst``.
+        """
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], device=self.device)
+        dst = torch.tensor([b for _, b in pairs], device=self.device)
+        # kv_cache is [2, layers, blocks, block_size, kv_heads, head_dim]: one indexed copy.
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
