@@ -132,7 +132,7 @@ def test_more_ranks_than_cpu_cores_is_refused(monkeypatch):
         LLM(MODEL, **CPU, num_kvcache_blocks=8, tensor_parallel_size=2)
 
 
-def run_child(mode: str) -> list[list[str]]:
+def run_child(mode: str) -> tuple[int, list[list[str]], str]:
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     done = subprocess.run([sys.executable, str(CHILD), mode], capture_output=True, text=True, timeout=120, env=env)
     return done.returncode, [line.split() for line in done.stdout.splitlines()], done.stderr
@@ -153,7 +153,7 @@ def test_no_worker_outlives_its_llm():
     assert code == 0, stderr
     pids = [int(p) for line in lines if line[0] == "PIDS" for p in line[1:]]
     assert len(pids) == 3
-    assert ["ALIVE", "after", "with", "False"] in lines
+    assert ["ALIVE", "after", "with", "False"] in lines and ["EXITCODES", "0"] in lines   # a clean exit
     assert ["INTERRUPTED"] in lines and ["ALIVE", "after", "close", "False"] in lines
     error = next(" ".join(line) for line in lines if line[0] == "ERROR")
     assert "interrupted half-way" in error and "close()" in error

@@ -31,6 +31,7 @@ def main(mode: str) -> None:
         say("PIDS", *pids)
         say("TOKENS", *llm.generate([[5, 6, 7]], PARAMS, use_tqdm=False)[0].token_ids)
     say("ALIVE after with", *alive(pids))
+    say("EXITCODES", *(p.exitcode for p in llm.model_runner.processes))
 
     llm = LLM(**SETTINGS)                        # 2. a step interrupted half-way, then close()
     pids = llm.model_runner.worker_pids

@@ -9,7 +9,7 @@ that calls ``torch.distributed`` for them:
 * ``broadcast`` -- every rank receives rank 0's tensor (each step's metadata);
 * ``gather_text`` -- rank 0 receives a short text from every rank (reports, traces, errors).
 
-Every call is counted (calls and bytes), so a run can be compared with what the formula
+Every call is counted (calls, bytes, and the seconds spent waiting in it), so a run can be compared with what the formula
 predicts, and a trace can be switched on that records one line per collective.
 
 With ``world_size == 1`` every operation is the identity and ``torch.distributed`` is never
@@ -88,6 +88,7 @@ class TensorParallelGroup:
         self.all_reduce_bytes = 0
         self.gather_bytes = 0
         self.broadcast_bytes = 0
+        self.comm_seconds = 0.0                 # seconds inside all_reduce, gather_to_first, broadcast
         self.events: list[str] | None = None    # a list while a trace is being recorded
 
     # ---------------------------------------------------------------- set-up
@@ -153,7 +154,9 @@ class TensorParallelGroup:
         self.all_reduce_bytes += x.numel() * x.element_size()
         self.record(f"{label}: all_reduce {self._describe(x)}")
         if self.world_size > 1:
+            start = time.perf_counter()
             dist.all_reduce(x)
+            self.comm_seconds += time.perf_counter() - start
         return x
 
     def gather_to_first(self, x: torch.Tensor, label: str = "") -> list[torch.Tensor] | None:
@@ -164,14 +167,18 @@ class TensorParallelGroup:
             return [x]
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
+        start = time.perf_counter()
         dist.gather(x, parts, dst=0)
+        self.comm_seconds += time.perf_counter() - start
         return parts
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``x`` on every rank, in place (the others pass a buffer of the same shape)."""
         self.broadcast_bytes += x.numel() * x.element_size()
         if self.world_size > 1:
+            start = time.perf_counter()
             dist.broadcast(x, src=0)
+            self.comm_seconds += time.perf_counter() - start
         return x
 
     def gather_text(self, text: str) -> list[str] | None:

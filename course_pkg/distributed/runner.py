@@ -41,6 +41,7 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -73,6 +74,7 @@ class RankReport:
     all_reduce_bytes: int
     gather_bytes: int
     broadcast_bytes: int
+    comm_seconds: float                 # time inside collectives (waiting for the others included)
     trace: tuple[str, ...]              # the last traced step, one line per event
 
 
@@ -257,7 +259,7 @@ class TensorParallelModelRunner(ModelRunner):
             vocab=(g.rank * per_vocab, (g.rank + 1) * per_vocab), weight_bytes=self.weight_bytes,
             kv_cache_bytes=self.kv_cache_bytes, all_reduce_calls=g.all_reduce_calls,
             all_reduce_bytes=g.all_reduce_bytes, gather_bytes=g.gather_bytes, broadcast_bytes=g.broadcast_bytes,
-            trace=self.last_trace))
+            comm_seconds=g.comm_seconds, trace=self.last_trace))
 
     # ---------------------------------------------------------------- the workers' loop
 
@@ -328,3 +330,9 @@ def worker_main(rank: int, world_size: int, port: int, model_path: str, dtype: t
         return                        # rank 0 raises the error, naming this rank
     runner.serve()
     group.disconnect()
+    # Everything this process owns is released now. Leave without the interpreter's teardown,
+    # which now and then aborts inside torch.distributed's background threads ("terminate
+    # called without an active exception", exit code -6) after a clean exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
