@@ -84,16 +84,17 @@ def serve(path, k: int, workload, label: str, **engine) -> Run:
                weights, kv, log, comm)
 
 
-def report(config, runs: list[Run]) -> None:
+def report(config, runs: list[Run], itemsize: int = 4) -> None:
+    """Bytes per rank, all-reduce bytes (formula vs counted), agreement and speed; ``runs[0]``
+    is the k=1 baseline, ``runs[-1]`` the tensor-parallel run."""
     one, tp = runs[0], runs[-1]
     mib = 2 ** 20
     print(f"  weights per rank: k=1 {one.weight_bytes[0] / mib:.2f} MiB; k=2 "
           + ", ".join(f"rank {r} {b / mib:.2f} MiB" for r, b in enumerate(tp.weight_bytes))
-          + f" ({tp.weight_bytes[0] / one.weight_bytes[0]:.3f} of k=1; the RMSNorm weights are replicated)")
+          + f" ({tp.weight_bytes[0] / one.weight_bytes[0]:.3f} of k=1; the RMSNorm weights are whole on every rank)")
     print(f"  KV cache per rank: k=1 {one.kv_cache_bytes[0] / mib:.2f} MiB; k=2 "
           + ", ".join(f"rank {r} {b / mib:.2f} MiB" for r, b in enumerate(tp.kv_cache_bytes))
           + f" ({tp.kv_cache_bytes[0] / one.kv_cache_bytes[0]:.3f} of k=1, same number of blocks)")
-    itemsize = 4
     per_token = (2 * config.num_hidden_layers + 1) * config.hidden_size * itemsize
     formula = sum(n * per_token for n, _ in tp.step_log)
     counted = sum(b for _, b in tp.step_log)
@@ -102,12 +103,14 @@ def report(config, runs: list[Run]) -> None:
           f"{itemsize} B = {per_token} B per token; {len(tp.step_log)} steps, formula {formula} B, counted "
           f"{counted} B, equal in {steps_equal}/{len(tp.step_log)} steps")
     same = sum(a == b for a, b in zip(one.tokens, tp.tokens))
-    print(f"  outputs identical to k=1: {same}/{len(one.tokens)}")
+    first = sum(a[:8] == b[:8] for a, b in zip(one.tokens, tp.tokens))
+    print(f"  outputs identical to k=1: {same}/{len(one.tokens)} (first 8 tokens: {first}/{len(one.tokens)})")
     for run in runs:
         print(f"  {run.label:<34} {run.generated:5d} tokens in {run.seconds:6.2f} s = {run.tokens_per_s:8.1f} tok/s"
               f"  ({run.tokens_per_s / one.tokens_per_s:.2f}x k=1)")
     print(f"  k=2: rank 0 spent {tp.comm_seconds:.2f} s of {tp.seconds:.2f} s ({tp.comm_seconds / tp.seconds:.0%}) "
-          f"inside collectives ({2 * config.num_hidden_layers + 1} all-reduces, 1 gather, 2 broadcasts per step)")
+          f"inside collectives ({2 * config.num_hidden_layers + 1} all-reduces, 1 gather, 2 broadcasts per step; "
+          f"waiting for the slower rank included)")
 
 
 def main() -> None:

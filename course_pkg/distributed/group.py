@@ -191,7 +191,7 @@ class TensorParallelGroup:
         dist.gather(length, lengths, dst=0)
         longest = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
         dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-        padded = torch.zeros(int(longest), dtype=torch.uint8, device=self.device)
+        padded = torch.zeros(max(int(longest), 1), dtype=torch.uint8, device=self.device)   # never empty
         padded[:data.numel()] = data
         parts = [torch.empty_like(padded) for _ in range(self.world_size)] if self.rank == 0 else None
         dist.gather(padded, parts, dst=0)
