@@ -88,6 +88,7 @@ class TensorParallelGroup:
         self.all_reduce_bytes = 0
         self.gather_bytes = 0
         self.broadcast_bytes = 0
+        self.collective_calls = 0               # all_reduce, gather_to_first and broadcast calls
         self.comm_seconds = 0.0                 # seconds inside all_reduce, gather_to_first, broadcast
         self.events: list[str] | None = None    # a list while a trace is being recorded
 
@@ -151,6 +152,7 @@ class TensorParallelGroup:
     def all_reduce(self, x: torch.Tensor, label: str = "") -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; every rank ends with the sum."""
         self.all_reduce_calls += 1
+        self.collective_calls += 1
         self.all_reduce_bytes += x.numel() * x.element_size()
         self.record(f"{label}: all_reduce {self._describe(x)}")
         if self.world_size > 1:
@@ -162,6 +164,7 @@ class TensorParallelGroup:
     def gather_to_first(self, x: torch.Tensor, label: str = "") -> list[torch.Tensor] | None:
         """Every rank's ``x`` (same shape on every rank), in rank order, on rank 0; None elsewhere."""
         self.gather_bytes += x.numel() * x.element_size()
+        self.collective_calls += 1
         self.record(f"{label}: gather to rank 0 {self._describe(x)}")
         if self.world_size == 1:
             return [x]
@@ -175,6 +178,7 @@ class TensorParallelGroup:
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``x`` on every rank, in place (the others pass a buffer of the same shape)."""
         self.broadcast_bytes += x.numel() * x.element_size()
+        self.collective_calls += 1
         if self.world_size > 1:
             start = time.perf_counter()
             dist.broadcast(x, src=0)

@@ -74,6 +74,7 @@ class RankReport:
     all_reduce_bytes: int
     gather_bytes: int
     broadcast_bytes: int
+    collective_calls: int               # all-reduces, gathers and broadcasts
     comm_seconds: float                 # time inside collectives (waiting for the others included)
     trace: tuple[str, ...]              # the last traced step, one line per event
 
@@ -259,7 +260,7 @@ class TensorParallelModelRunner(ModelRunner):
             vocab=(g.rank * per_vocab, (g.rank + 1) * per_vocab), weight_bytes=self.weight_bytes,
             kv_cache_bytes=self.kv_cache_bytes, all_reduce_calls=g.all_reduce_calls,
             all_reduce_bytes=g.all_reduce_bytes, gather_bytes=g.gather_bytes, broadcast_bytes=g.broadcast_bytes,
-            comm_seconds=g.comm_seconds, trace=self.last_trace))
+            collective_calls=g.collective_calls, comm_seconds=g.comm_seconds, trace=self.last_trace))
 
     # ---------------------------------------------------------------- the workers' loop
 
