@@ -162,6 +162,15 @@ def test_no_worker_outlives_its_llm():
     assert not any(is_running(p) for p in pids)
 
 
+def test_a_rank_that_cannot_load_its_shard_fails_the_start_for_all():
+    code, lines, stderr = run_child("no-weights")
+    assert code == 0, stderr
+    error = next(" ".join(line) for line in lines if line[0] == "ERROR")
+    assert "start-up failed" in error and "rank 0: ValueError" in error and "rank 1: ValueError" in error
+    assert "missing" in error
+    assert ["CHILDREN", "0"] in lines
+
+
 def test_workers_end_when_rank_0_is_killed():
     code, lines, _ = run_child("kill")
     assert code == -9

@@ -169,7 +169,10 @@ class TensorParallelModelRunner(ModelRunner):
             return
         graceful = not self.broken and all(p.is_alive() for p in self.processes)
         if graceful:
-            self.group.broadcast(self._header(EXIT))
+            try:
+                self.group.broadcast(self._header(EXIT))
+            except Exception:           # a worker died meanwhile: terminate the others
+                graceful = False
         self._finalizer.detach()
         _stop(self.processes, self.group, graceful)
 
