@@ -59,6 +59,26 @@ def prompts():
     return make_prompts(load_config(MODEL).vocab_size)
 
 
+def test_the_ranks_slices_put_together_are_the_checkpoint():
+    """Loading needs no process group: each rank's slices, concatenated along the split
+    dimension, must be the whole model's tensors (read by the single-device loader)."""
+    from course_pkg.distributed import TensorParallelGroup, load_shard_model
+    from course_pkg.models import load_model
+    whole, config, _ = load_model(MODEL)
+    shards = [dict(load_shard_model(MODEL, config, TensorParallelGroup(r, 2, "cpu"), torch.float32,
+                                    "cpu").named_parameters()) for r in range(2)]
+    for name, full in whole.named_parameters():
+        parts = [s[name] for s in shards]
+        if parts[0].shape == full.shape:
+            assert all(torch.equal(p, full) for p in parts), name          # replicated
+        else:
+            dim = 0 if parts[0].shape[0] != full.shape[0] else 1
+            assert torch.equal(torch.cat(parts, dim=dim), full), name
+    split = {n for n, p in whole.named_parameters() if shards[0][n].shape != p.shape}
+    assert {n.rsplit(".", 2)[-2] for n in split} == {"embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj",
+                                                      "gate_proj", "up_proj", "down_proj"}
+
+
 def test_greedy_tokens_equal_huggingface_with_prefix_caching_and_preemption(tp_llm, hf_model, prompts):
     params = [SamplingParams(max_tokens=max_tokens_for(i), **GREEDY) for i in range(len(prompts))]
     outputs = tp_llm.generate(prompts, params, use_tqdm=False)

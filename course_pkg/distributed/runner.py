@@ -330,9 +330,9 @@ def worker_main(rank: int, world_size: int, port: int, model_path: str, dtype: t
         runner = TensorParallelModelRunner(Path(model_path), load_config(model_path), group, dtype=dtype,
                                            **runner_kwargs)
     except StartupFailed:
-        group.disconnect()
-        return                        # rank 0 raises the error, naming this rank
-    runner.serve()
+        pass                          # rank 0 raises the error, naming this rank
+    else:
+        runner.serve()
     group.disconnect()
     # Everything this process owns is released now. Leave without the interpreter's teardown,
     # which now and then aborts inside torch.distributed's background threads ("terminate
