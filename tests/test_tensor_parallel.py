@@ -8,9 +8,11 @@ no worker outlives its LLM, however the LLM ends.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,10 +142,10 @@ def test_one_step_traced_on_both_ranks_has_the_same_block_tables(tp_llm):
 ])
 def test_bad_tensor_parallel_sizes_raise_and_start_nothing(monkeypatch, size, error, message):
     monkeypatch.setattr(os, "cpu_count", lambda: 8)        # the device limit is not what fails here
-    before = {p.pid for p in __import__("multiprocessing").active_children()}
+    before = {p.pid for p in multiprocessing.active_children()}
     with pytest.raises(error, match=message):
         LLM(MODEL, **CPU, num_kvcache_blocks=8, tensor_parallel_size=size)
-    assert {p.pid for p in __import__("multiprocessing").active_children()} == before
+    assert {p.pid for p in multiprocessing.active_children()} == before
 
 
 def test_more_ranks_than_cpu_cores_is_refused(monkeypatch):
@@ -196,7 +198,6 @@ def test_workers_end_when_rank_0_is_killed():
     assert code == -9
     pids = [int(p) for line in lines if line[0] == "PIDS" for p in line[1:]]
     assert len(pids) == 1
-    import time
     deadline = time.monotonic() + 10
     while any(is_running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
