@@ -14,7 +14,8 @@ parameters (``BENCHMARK_CONFIG``: 6 layers, hidden 512) -- one seeded workload o
 side by side in this process. Printed: weight and KV-cache bytes per rank (each rank measures
 its own), the bytes all-reduced per step by the formula ``(2 * layers + 1) * tokens * hidden
 * itemsize`` and as counted by the run, how many outputs are identical across the runs,
-tokens/s of each run, and the share of rank 0's time spent inside collectives.
+tokens/s of each run, and the time per step: rank 0's share inside collectives, and the
+average cost of one collective (latency: the tensors are a few kB).
 """
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ class Run:
     kv_cache_bytes: list[int]
     step_log: list[tuple[int, int]]    # (tokens, bytes all-reduced) per step, k > 1 only
     comm_seconds: float                # rank 0, inside collectives during the timed run
+    collectives: int                   # rank 0's collective calls during the timed run
+    steps: int
+    bare_all_reduce: dict[int, float]  # bytes -> seconds per call, k > 1 only
 
     @property
     def tokens_per_s(self) -> float:
@@ -65,7 +69,8 @@ def serve(path, k: int, workload, label: str, **engine) -> Run:
         runner = llm.model_runner
         if k > 1:
             runner.step_log.clear()
-            comm_before = runner.report()[0].comm_seconds
+            first = runner.report()[0]
+        steps_before = llm.num_steps
         if str(engine.get("device", "cpu")).startswith("cuda"):
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -73,15 +78,18 @@ def serve(path, k: int, workload, label: str, **engine) -> Run:
         if str(engine.get("device", "cpu")).startswith("cuda"):
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
+        steps = llm.num_steps - steps_before
         if k > 1:
             reports = runner.report()
             weights, kv = [r.weight_bytes for r in reports], [r.kv_cache_bytes for r in reports]
-            log, comm = list(runner.step_log), reports[0].comm_seconds - comm_before
+            log, comm = list(runner.step_log), reports[0].comm_seconds - first.comm_seconds
+            calls = reports[0].collective_calls - first.collective_calls - 1     # not the report's own
+            bare = {b: runner.time_all_reduce(b) for b in (512, 8 * 2**10, 256 * 2**10)}
         else:
             weights = [sum(p.numel() * p.element_size() for p in llm.model.parameters())]
-            kv, log, comm = [runner.kv_cache_bytes], [], 0.0
+            kv, log, comm, calls, bare = [runner.kv_cache_bytes], [], 0.0, 0, {}
     return Run(label, [o.token_ids for o in outputs], seconds, sum(len(o.token_ids) for o in outputs),
-               weights, kv, log, comm)
+               weights, kv, log, comm, calls, steps, bare)
 
 
 def report(config, runs: list[Run], itemsize: int = 4) -> None:
@@ -108,9 +116,12 @@ def report(config, runs: list[Run], itemsize: int = 4) -> None:
     for run in runs:
         print(f"  {run.label:<34} {run.generated:5d} tokens in {run.seconds:6.2f} s = {run.tokens_per_s:8.1f} tok/s"
               f"  ({run.tokens_per_s / one.tokens_per_s:.2f}x k=1)")
-    print(f"  k=2: rank 0 spent {tp.comm_seconds:.2f} s of {tp.seconds:.2f} s ({tp.comm_seconds / tp.seconds:.0%}) "
-          f"inside collectives ({2 * config.num_hidden_layers + 1} all-reduces, 1 gather, 2 broadcasts per step; "
+    print(f"  per step: {one.label} {1e3 * one.seconds / one.steps:.2f} ms; {tp.label} {1e3 * tp.seconds / tp.steps:.2f} ms, "
+          f"of which {1e3 * tp.comm_seconds / tp.steps:.2f} ms ({tp.comm_seconds / tp.seconds:.0%}) inside "
+          f"{tp.collectives / tp.steps:.1f} collectives ({1e6 * tp.comm_seconds / max(tp.collectives, 1):.0f} us each, "
           f"waiting for the slower rank included)")
+    print("  a bare all-reduce between the ranks (no model): " + ", ".join(
+        f"{b} B {1e6 * t:.0f} us" for b, t in tp.bare_all_reduce.items()) + " -- latency, nearly whatever the size")
 
 
 def main() -> None:

@@ -203,6 +203,23 @@ class TensorParallelGroup:
             return None
         return [bytes(p[:int(n)].tolist()).decode() for p, n in zip(parts, lengths)]
 
+    def time_all_reduce(self, numel: int, repeats: int) -> float:
+        """Seconds per bare all-reduce of ``numel`` float32 values, every rank calling it at once
+        (not counted: a measurement of the link, not part of a step)."""
+        if self.world_size == 1:
+            return 0.0
+        x = torch.zeros(numel, dtype=torch.float32, device=self.device)
+        for _ in range(max(repeats // 10, 1)):       # warm-up
+            dist.all_reduce(x)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            dist.all_reduce(x)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - start) / repeats
+
     def min_over_ranks(self, value: int) -> int:
         """The smallest ``value`` of all ranks, on every rank (not counted: set-up only)."""
         if self.world_size == 1:

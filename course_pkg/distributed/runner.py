@@ -55,7 +55,7 @@ from course_pkg.engine.model_runner import ModelRunner
 from course_pkg.models import AttentionMetadata
 
 # Commands in the first word of the step header.
-EXIT, RUN, REPORT = 0, 1, 2
+EXIT, RUN, REPORT, TIME_ALL_REDUCE = 0, 1, 2, 3
 HEADER = ("command", "num_tokens", "num_seqs", "max_blocks", "num_rows", "max_q_len", "max_context_len", "trace")
 WORKER_JOIN_TIMEOUT_S = 10.0
 
@@ -232,6 +232,14 @@ class TensorParallelModelRunner(ModelRunner):
         return [RankReport(**{k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(t).items()})
                 for t in self.group.gather_text(self._report_json())]
 
+    def time_all_reduce(self, num_bytes: int, repeats: int = 200) -> float:
+        """Seconds per bare all-reduce of ``num_bytes`` (float32) between all ranks: the link's
+        cost alone, without a model around it."""
+        self._check_usable()
+        numel = max(num_bytes // 4, 1)
+        self.group.broadcast(self._header(TIME_ALL_REDUCE, num_tokens=numel, num_seqs=repeats))
+        return self.group.time_all_reduce(numel, repeats)
+
     # ---------------------------------------------------------------- every rank
 
     def _execute(self, input_ids, positions, attn: AttentionMetadata, logits_rows, trace: bool):
@@ -278,6 +286,9 @@ class TensorParallelModelRunner(ModelRunner):
                 return
             if h["command"] == REPORT:
                 g.gather_text(self._report_json())
+                continue
+            if h["command"] == TIME_ALL_REDUCE:
+                g.time_all_reduce(h["num_tokens"], h["num_seqs"])
                 continue
             n, s, b, r = h["num_tokens"], h["num_seqs"], h["max_blocks"], h["num_rows"]
             sizes = [n, n, n, s * b, s, s + 1, r]
