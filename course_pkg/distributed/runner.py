@@ -189,7 +189,7 @@ class TensorParallelModelRunner(ModelRunner):
             raise RuntimeError("a tensor-parallel step was interrupted half-way, so the ranks no longer "
                                "agree on the next collective: close() this LLM and create a new one")
         if self._finalizer is None or not self._finalizer.alive:
-            raise RuntimeError("this tensor-parallel runner is closed")
+            raise RuntimeError("this LLM is closed: its tensor-parallel workers have stopped")
         dead = [p.name for p in self.processes if not p.is_alive()]
         if dead:
             raise RuntimeError(f"tensor-parallel worker(s) {', '.join(dead)} died: close() this LLM")
@@ -228,17 +228,25 @@ class TensorParallelModelRunner(ModelRunner):
     def report(self) -> list[RankReport]:
         """Every rank's :class:`RankReport`, measured by that rank, in rank order."""
         self._check_usable()
+        self.broken = True
         self.group.broadcast(self._header(REPORT))
+        texts = self.group.gather_text(self._report_json())
+        self.broken = False
         return [RankReport(**{k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(t).items()})
-                for t in self.group.gather_text(self._report_json())]
+                for t in texts]
 
     def time_all_reduce(self, num_bytes: int, repeats: int = 200) -> float:
         """Seconds per bare all-reduce of ``num_bytes`` (float32) between all ranks: the link's
         cost alone, without a model around it."""
+        if not isinstance(repeats, int) or repeats < 1 or not isinstance(num_bytes, int) or num_bytes < 4:
+            raise ValueError(f"need an integer num_bytes >= 4 and repeats >= 1, got {num_bytes!r}, {repeats!r}")
         self._check_usable()
-        numel = max(num_bytes // 4, 1)
+        numel = num_bytes // 4
+        self.broken = True
         self.group.broadcast(self._header(TIME_ALL_REDUCE, num_tokens=numel, num_seqs=repeats))
-        return self.group.time_all_reduce(numel, repeats)
+        seconds = self.group.time_all_reduce(numel, repeats)
+        self.broken = False
+        return seconds
 
     # ---------------------------------------------------------------- every rank
 
