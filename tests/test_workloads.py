@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from course_pkg import BlockManager, SamplingParams, Sequence
 from course_pkg.scheduler import Scheduler
-from course_pkg.workloads import (ForwardReleaseBlockManager, Request, UnguardedBlockManager, WorkloadRun,
-                                  make_block_manager, multi_turn_workload, random_workload,
+from course_pkg.foils import ForwardReleaseBlockManager, UnguardedBlockManager, make_block_manager
+from course_pkg.workloads import (Request, WorkloadRun, multi_turn_workload, random_workload,
                                   shared_prefix_workload, simulate)
 
 

@@ -26,20 +26,6 @@ def main(mode: str) -> None:
         llm = LLM(**SETTINGS)
         say("PIDS", *llm.model_runner.worker_pids)
         os.kill(os.getpid(), 9)
-    if mode == "no-weights":                     # every rank fails to load: one clear error, no worker left
-        import multiprocessing
-        import shutil
-        import tempfile
-
-        from course_pkg.models import default_model_path
-        with tempfile.TemporaryDirectory() as folder:
-            shutil.copy(default_model_path() / "config.json", folder)
-            try:
-                LLM(folder, **SETTINGS)
-            except RuntimeError as e:
-                say("ERROR", e)
-        say("CHILDREN", len(multiprocessing.active_children()))
-        return
     with LLM(**SETTINGS) as llm:                 # 1. a context manager closes it
         pids = llm.model_runner.worker_pids
         say("PIDS", *pids)
@@ -62,7 +48,7 @@ def main(mode: str) -> None:
         say("INTERRUPTED")
     llm.model.compute_logits = compute_logits
     try:
-        llm.model_runner.run(list(llm.scheduler.running) + list(llm.scheduler.waiting))
+        llm.generate([[5, 6, 7]], PARAMS, use_tqdm=False)
     except RuntimeError as e:
         say("ERROR", e)
     llm.close()

@@ -25,6 +25,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from course_pkg.validation import check_positive_int
+
 #: How long a collective may wait for the other ranks. Workers wait between steps inside a
 #: collective (the broadcast of the next step), so this is also how long an idle LLM keeps
 #: them: days, not gloo's default half hour.
@@ -57,13 +59,9 @@ def max_tensor_parallel_size(device_type: str) -> int:
 
 
 def check_tensor_parallel_size(tensor_parallel_size, config, device_type: str) -> None:
-    """Raise ``ValueError`` (or ``TypeError``) naming the problem if ``config`` cannot be
-    split ``tensor_parallel_size`` ways on this machine. Starts nothing."""
-    k = tensor_parallel_size
-    if not isinstance(k, int) or isinstance(k, bool):
-        raise TypeError(f"tensor_parallel_size must be an integer, got {k!r}")
-    if k < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, got {k}")
+    """Raise ``ValueError`` naming the problem if ``config`` cannot be split
+    ``tensor_parallel_size`` ways on this machine (or it is not an integer >= 1). Starts nothing."""
+    k = check_positive_int("tensor_parallel_size", tensor_parallel_size)
     if k == 1:
         return
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):

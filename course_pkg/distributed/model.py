@@ -13,7 +13,6 @@ reads those bytes of the file and nothing else, so no rank ever holds the whole 
 from __future__ import annotations
 
 import copy
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from safetensors import safe_open
 from course_pkg.distributed.group import TensorParallelGroup
 from course_pkg.distributed.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                            VocabParallelEmbedding)
+from course_pkg.models.loader import check_headers, read_headers
 from course_pkg.models.qwen3 import Qwen3ForCausalLM
 
 
@@ -71,37 +71,44 @@ def _read_slice(handle, name: str, dim: int | None, rank: int, world_size: int) 
     return sl[lo:hi] if dim == 0 else sl[:, lo:hi]
 
 
+def check_checkpoint(path, config) -> dict:
+    """The folder's safetensors headers, checked against the *whole* model (names, shapes,
+    dtypes) as :func:`course_pkg.models.load_model` checks them -- reading no tensor data, so
+    rank 0 can refuse a broken folder before any process starts."""
+    headers = read_headers(path)
+    with torch.device("meta"):
+        check_headers(headers, Qwen3ForCausalLM(config), path)
+    return headers
+
+
 def load_shard_model(path, config, group: TensorParallelGroup, dtype: torch.dtype, device) -> Qwen3ForCausalLM:
     """Build the rank's model on ``device`` and fill it with its slices of the checkpoint.
 
-    Missing or unexpected tensors, and slices of the wrong shape, raise ``ValueError`` naming
-    them, as :func:`course_pkg.models.load_model` does for the whole model.
+    The checkpoint is checked first (:func:`check_checkpoint`): missing, unexpected,
+    duplicated, misshapen or non-float tensors raise ``ValueError`` naming them.
     """
     path = Path(path)
+    headers = check_checkpoint(path, config)
     model = build_shard_model(config, group).to(dtype=dtype)
     model.to_empty(device=device)
     model.tie_weights()                          # to_empty replaced the parameters
-    expected = dict(model.named_parameters())    # a tied head appears once, as embed_tokens
-    with ExitStack() as stack:
-        where = {}
-        for file in sorted(path.glob("*.safetensors")):
-            handle = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-            where.update({name: handle for name in handle.keys()})
-        if config.tie_word_embeddings:
-            where.pop("lm_head.weight", None)
-        missing, unexpected = sorted(set(expected) - set(where)), sorted(set(where) - set(expected))
-        if missing or unexpected:
-            raise ValueError(f"{path}: weights do not match the config; missing {missing}, "
-                             f"unexpected {unexpected}")
-        with torch.no_grad():
-            for name, param in expected.items():
-                owner, _, leaf = name.rpartition(".")
-                dim = getattr(model.get_submodule(owner), "shard_dims", {}).get(leaf)
-                tensor = _read_slice(where[name], name, dim, group.rank, group.world_size)
-                if tensor.shape != param.shape:
-                    raise ValueError(f"{path}: rank {group.rank}'s slice of {name} has shape "
-                                     f"{tuple(tensor.shape)}, the shard config implies {tuple(param.shape)}")
-                param.copy_(tensor)
+    params = dict(model.named_parameters())      # a tied head appears once, as embed_tokens
+    files: dict[Path, list[str]] = {}
+    for name, header in headers.items():
+        if name in params:                       # not a tied checkpoint's spare lm_head copy
+            files.setdefault(header.file, []).append(name)
+    with torch.no_grad():
+        for file, names in files.items():
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for name in names:
+                    owner, _, leaf = name.rpartition(".")
+                    dim = getattr(model.get_submodule(owner), "shard_dims", {}).get(leaf)
+                    tensor = _read_slice(handle, name, dim, group.rank, group.world_size)
+                    if tensor.shape != params[name].shape:
+                        raise ValueError(f"{file}: rank {group.rank}'s slice of {name} has shape "
+                                         f"{tuple(tensor.shape)}, the shard config implies "
+                                         f"{tuple(params[name].shape)}")
+                    params[name].copy_(tensor)
     return model.eval()
 
 

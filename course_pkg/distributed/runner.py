@@ -18,7 +18,9 @@ ranks must share is the step: every step rank 0 broadcasts the flat batch it pre
 (token ids, positions, slot mapping, block tables, context lengths, ``cu_seqlens_q``, the
 rows that need logits). Then all ranks run the same forward pass on different weights,
 meeting at the all-reduces; the LM head's vocabulary slices are gathered on rank 0, which
-samples (the workers never see a Sequence, a SamplingParams or a random generator).
+samples (the workers never see a Sequence, a SamplingParams or a random generator). A
+copy-on-write (chapter 08) is broadcast the same way: every rank copies the same block ids in
+its own cache.
 
 Why ``torch.distributed`` for the step metadata, where Nano-vLLM writes it (pickled) into a
 shared-memory segment and wakes the workers with events: one mechanism carries both the
@@ -50,12 +52,13 @@ from pathlib import Path
 import torch
 
 from course_pkg.distributed.group import TensorParallelGroup, find_free_port
-from course_pkg.distributed.model import load_shard_model, parameter_bytes, shard_config
+from course_pkg.distributed.model import check_checkpoint, load_shard_model, parameter_bytes, shard_config
 from course_pkg.engine.model_runner import ModelRunner
 from course_pkg.models import AttentionMetadata
+from course_pkg.validation import check_int, check_positive_int
 
 # Commands in the first word of the step header.
-EXIT, RUN, REPORT, TIME_ALL_REDUCE = 0, 1, 2, 3
+EXIT, RUN, REPORT, TIME_ALL_REDUCE, COPY_BLOCKS = 0, 1, 2, 3, 4
 HEADER = ("command", "num_tokens", "num_seqs", "max_blocks", "num_rows", "max_q_len", "max_context_len", "trace")
 WORKER_JOIN_TIMEOUT_S = 10.0
 
@@ -118,6 +121,7 @@ class TensorParallelModelRunner(ModelRunner):
         self.last_trace: list[str] = []
         self.broken = False                          # a step stopped half-way: ranks out of step
         self._trace_next = False
+        self._traced = False
         self._finalizer = None
 
     def _agree_started(self, error: str) -> None:
@@ -140,6 +144,7 @@ class TensorParallelModelRunner(ModelRunner):
                **runner_kwargs) -> "TensorParallelModelRunner":
         """Start ranks ``1 .. k-1``, join them as rank 0; return rank 0's runner."""
         k = tensor_parallel_size
+        check_checkpoint(model_path, config)      # a broken folder fails here, before any process starts
         ctx = torch.multiprocessing.get_context("spawn")
         port = find_free_port()
         procs = [ctx.Process(target=worker_main, name=f"tensor-parallel-rank-{rank}", daemon=True,
@@ -198,12 +203,14 @@ class TensorParallelModelRunner(ModelRunner):
         """Record, on every rank, what the next step does (read it with :meth:`report`)."""
         self._trace_next = True
 
-    @torch.inference_mode()
-    def run(self, seqs) -> list[int | None]:
-        """As :meth:`ModelRunner.run`, on all ranks: prepare, broadcast, forward, gather, sample."""
+    def _forward(self, seqs):
+        """As :meth:`ModelRunner._forward`, on all ranks: prepare, broadcast, forward, gather.
+
+        ``run``, ``run_with_logprobs`` and ``compute_logprobs`` are the single-device
+        runner's, unchanged: they call this and sample (or take log-probabilities) from the
+        gathered logits, on rank 0 only.
+        """
         self._check_usable()
-        if not seqs:
-            return []
         input_ids, positions, attn, logits_rows, sample_seqs = self.prepare(seqs)
         trace, self._trace_next = self._trace_next, False
         tensors = [input_ids, positions, attn.slot_mapping, attn.block_tables.flatten(), attn.context_lens,
@@ -218,12 +225,31 @@ class TensorParallelModelRunner(ModelRunner):
         logits = self._execute(input_ids, positions, attn, logits_rows, trace)
         self.broken = False
         self.step_log.append((input_ids.numel(), self.group.all_reduce_bytes - before))
-        tokens = self.sampler(logits, sample_seqs) if sample_seqs else []
-        if trace:
-            self.last_trace.append(f"sampled {tokens} from logits {list(logits.shape)}" if sample_seqs
-                                   else "no sequence reached its last token: nothing sampled")
-        by_seq = {id(seq): t for seq, t in zip(sample_seqs, tokens)}
-        return [by_seq.get(id(seq)) for seq in seqs]
+        self._traced = trace
+        return logits, sample_seqs
+
+    @torch.inference_mode()
+    def run_with_logprobs(self, seqs):
+        """As :meth:`ModelRunner.run_with_logprobs`; a traced step also records what rank 0 sampled."""
+        self._traced = False
+        tokens, logprobs = super().run_with_logprobs(seqs)
+        if self._traced:
+            sampled = [t for t in tokens if t is not None]
+            self.last_trace.append(f"sampled {sampled}" if sampled else "nothing sampled (a chunk of a prompt)")
+        return tokens, logprobs
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write on every rank: each copies block ``src`` to ``dst`` in its own cache
+        (its own heads), so the block ids stay interchangeable between the ranks."""
+        if not pairs:
+            return
+        self._check_usable()
+        self.broken = True
+        self.group.broadcast(self._header(COPY_BLOCKS, num_tokens=len(pairs)))
+        self.group.broadcast(torch.tensor(pairs, dtype=torch.int64, device=self.group.device).flatten())
+        super().copy_blocks(pairs)
+        self.broken = False
 
     def report(self) -> list[RankReport]:
         """Every rank's :class:`RankReport`, measured by that rank, in rank order."""
@@ -238,8 +264,8 @@ class TensorParallelModelRunner(ModelRunner):
     def time_all_reduce(self, num_bytes: int, repeats: int = 200) -> float:
         """Seconds per bare all-reduce of ``num_bytes`` (float32) between all ranks: the link's
         cost alone, without a model around it."""
-        if not isinstance(repeats, int) or repeats < 1 or not isinstance(num_bytes, int) or num_bytes < 4:
-            raise ValueError(f"need an integer num_bytes >= 4 and repeats >= 1, got {num_bytes!r}, {repeats!r}")
+        check_int("num_bytes", num_bytes, minimum=4)
+        check_positive_int("repeats", repeats)
         self._check_usable()
         numel = num_bytes // 4
         self.broken = True
@@ -297,6 +323,10 @@ class TensorParallelModelRunner(ModelRunner):
                 continue
             if h["command"] == TIME_ALL_REDUCE:
                 g.time_all_reduce(h["num_tokens"], h["num_seqs"])
+                continue
+            if h["command"] == COPY_BLOCKS:
+                pairs = g.broadcast(torch.empty(2 * h["num_tokens"], dtype=torch.int64, device=g.device))
+                ModelRunner.copy_blocks(self, [tuple(p) for p in pairs.view(-1, 2).tolist()])
                 continue
             n, s, b, r = h["num_tokens"], h["num_seqs"], h["max_blocks"], h["num_rows"]
             sizes = [n, n, n, s * b, s, s + 1, r]

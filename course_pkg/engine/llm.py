@@ -16,6 +16,7 @@ from collections.abc import Sequence as SequenceABC
 
 from course_pkg.engine.llm_engine import LLMEngine, RequestOutput
 from course_pkg.sampling_params import SamplingParams
+from course_pkg.validation import check_bool
 
 
 def _as_prompt_list(prompts) -> list:
@@ -50,8 +51,13 @@ class LLM(LLMEngine):
 
         Every prompt is validated before any is queued, so a bad prompt raises
         ``ValueError`` and leaves the engine exactly as it was. Other requests that finish
-        meanwhile go to ``self.unclaimed_outputs``.
+        meanwhile go to ``self.unclaimed_outputs``. If a step raises (or the run is
+        interrupted), the requests this call submitted are aborted -- their blocks freed --
+        and the exception propagates; outputs it had already received go to
+        ``self.unclaimed_outputs``, so nothing finished is lost. Not thread-safe: a second
+        thread calling in meanwhile gets a ``RuntimeError``.
         """
+        check_bool("use_tqdm", use_tqdm)
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -62,30 +68,43 @@ class LLM(LLMEngine):
                             f"got {type(sampling_params).__name__}")
         elif len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
-        seqs = []
-        for i, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
+        with self._exclusive():
+            seqs = []
+            for i, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
+                try:
+                    seqs.append(self.make_sequence(prompt, sp))
+                except (ValueError, TypeError) as e:
+                    raise type(e)(f"prompt {i}: {e}") from None
+            ids = self._add_all(seqs, prompts)
+            pending = set(ids)
+            outputs: dict[int, RequestOutput] = {}
+            bar = None
+            if use_tqdm:
+                from tqdm.auto import tqdm
+                bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True)
             try:
-                seqs.append(self.make_sequence(prompt, sp))
-            except (ValueError, TypeError) as e:
-                raise type(e)(f"prompt {i}: {e}") from None
-        ids = [self._add(seq, prompt) for seq, prompt in zip(seqs, prompts)]
-        pending = set(ids)
-        outputs: dict[int, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True)
-        try:
-            while pending:
-                for out in self.step():
-                    if out.request_id in pending:
-                        pending.discard(out.request_id)
-                        outputs[out.request_id] = out
-                        if bar is not None:
-                            bar.update(1)
-                    else:                                   # someone else's request
-                        self.unclaimed_outputs[out.request_id] = out
-        finally:
-            if bar is not None:
-                bar.close()
-        return [outputs[i] for i in ids]
+                while pending:
+                    for out in self.step():
+                        if out.request_id in pending:
+                            pending.discard(out.request_id)
+                            outputs[out.request_id] = out
+                            if bar is not None:
+                                bar.update(1)
+                        else:                                   # someone else's request
+                            self.unclaimed_outputs[out.request_id] = out
+            except BaseException:
+                self._abandon(pending, outputs)
+                raise
+            finally:
+                if bar is not None:
+                    bar.close()
+            return [outputs[i] for i in ids]
+
+    def _abandon(self, pending: set[int], outputs: dict[int, RequestOutput]) -> None:
+        """After a failure: abort the requests still pending, keep the outputs received."""
+        for request_id in sorted(pending):
+            try:
+                self.abort_request(request_id)
+            except Exception:   # keep aborting the others; the original error is re-raised
+                pass
+        self.unclaimed_outputs.update(outputs)
