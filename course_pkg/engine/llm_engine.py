@@ -131,8 +131,10 @@ class EngineMetrics:
 class StepInfo:
     """What one ``step()`` did: deterministic, printable, for notebooks and tests.
 
-    ``scheduled`` holds ``(request_id, first_position, num_tokens)`` per sequence,
-    ``sampled`` ``(request_id, token_id)``, ``preempted`` the requests sent back to waiting.
+    ``scheduled`` holds ``(seq_id, first_position, num_tokens)`` per sequence, ``sampled``
+    ``(seq_id, token_id)``, ``preempted`` the sequences sent back to waiting, ``finished`` the
+    requests handed out, ``copies`` the copy-on-write ``(src, dst)`` blocks copied before the
+    forward pass. (A request's first sequence has the request's id; its forks have their own.)
     """
 
     step: int
@@ -141,6 +143,7 @@ class StepInfo:
     sampled: tuple[tuple[int, int], ...]
     preempted: tuple[int, ...]
     finished: tuple[int, ...]
+    copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -342,8 +345,9 @@ class LLMEngine:
             scheduled = tuple((s.seq_id, s.num_cached_tokens, s.num_scheduled_tokens) for s in seqs)
             preempted = tuple(s.seq_id for s in self.scheduler.preempted)
             self._note_scheduled(seqs, preempted, time.perf_counter())
+            copies = tuple(self.scheduler.blocks_to_copy)
             try:
-                self.model_runner.copy_blocks(self.scheduler.blocks_to_copy)   # copy-on-write
+                self.model_runner.copy_blocks(list(copies))   # copy-on-write, before the forward pass
                 token_ids, logprobs = self.model_runner.run_with_logprobs(seqs)
                 finished = self.scheduler.postprocess(seqs, token_ids, logprobs)
             except BaseException:
@@ -367,7 +371,7 @@ class LLMEngine:
             self.last_step = StepInfo(
                 step=self.num_steps, is_prefill=is_prefill, scheduled=scheduled,
                 sampled=tuple((s.seq_id, t) for s, t in zip(seqs, token_ids) if t is not None),
-                preempted=preempted, finished=tuple(out.request_id for out in outputs))
+                preempted=preempted, finished=tuple(out.request_id for out in outputs), copies=copies)
             self.num_steps += 1
             return outputs
 
