@@ -104,6 +104,18 @@ def test_copy_on_write_of_a_forked_block_happens_on_every_rank(tp_llm, hf_model,
     assert [c.token_ids for c in out.outputs] == [hf_greedy(hf_model, prompt, 6)] * 2
 
 
+def test_beam_search_equals_hugging_face(tp_llm, prompts):
+    """Beam search asks the runner for log-probabilities of every beam and copies blocks on
+    write as beams fork: both go through the tensor-parallel runner."""
+    from course_pkg.sampling_params import BeamSearchParams
+    from tests.test_forks import hf_beams
+    prompt = prompts[3]
+    [out] = tp_llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True))
+    hf_seqs, hf_scores = hf_beams(MODEL, prompt, 2, 6, None)
+    assert [s.tokens[len(prompt):] for s in out.sequences] == hf_seqs
+    assert [s.score for s in out.sequences] == pytest.approx(hf_scores, abs=1e-4)
+
+
 def test_each_rank_holds_its_share_of_weights_and_half_the_kv_cache(tp_llm):
     config = load_config(MODEL)
     replicated = whole = 0                      # counted from the checkpoint file itself
