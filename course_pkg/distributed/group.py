@@ -1,16 +1,20 @@
 """One rank's handle on the tensor-parallel group: who it is, and the collectives the model needs.
 
-Tensor parallelism needs exactly four collective operations, and this class is the only place
-that calls ``torch.distributed`` for them:
+A step needs three collective operations, and this class is the only place that calls
+``torch.distributed``:
 
 * ``all_reduce`` -- sum a tensor over the ranks, every rank gets the sum (after a
   row-parallel layer and after the vocabulary-parallel embedding);
 * ``gather_to_first`` -- rank 0 receives every rank's slice (the LM head's logits);
-* ``broadcast`` -- every rank receives rank 0's tensor (each step's metadata);
-* ``gather_text`` -- rank 0 receives a short text from every rank (reports, traces, errors).
+* ``broadcast`` -- every rank receives rank 0's tensor (each step's metadata).
 
-Every call is counted (calls, bytes, and the seconds spent waiting in it), so a run can be compared with what the formula
-predicts, and a trace can be switched on that records one line per collective.
+Outside the steps: ``gather_text`` brings a short text from every rank to rank 0 (reports,
+traces, start-up errors), ``min_over_ranks`` agrees on the pool size, ``time_all_reduce``
+measures the link.
+
+The three step collectives are counted (calls, bytes, and the seconds spent waiting in them),
+so a run can be compared with what the formula predicts, and a trace can be switched on that
+records one line per collective.
 
 With ``world_size == 1`` every operation is the identity and ``torch.distributed`` is never
 touched: the same layers then run in a single process.

@@ -27,9 +27,9 @@ shared-memory segment and wakes the workers with events: one mechanism carries b
 tensors of the forward pass and the orders that start it; it works the same between
 processes on one machine and between machines (shared memory does not leave the machine);
 and there is no segment to size, name and unlink -- nothing left behind if a process dies.
-The price is one small broadcast per step (two: a fixed header, then the payload), a
-fraction of a millisecond next to the all-reduces of the forward pass. The metadata travels
-as integer tensors, not pickles: no rank ever unpickles what another sent.
+The price is two small broadcasts per step (a fixed header, then the payload): two more
+collectives next to the ``2 * layers + 1`` all-reduces of the forward pass. The metadata
+travels as integer tensors, not pickles: no rank ever unpickles what another sent.
 
 Shutdown: ``close()`` sends the workers an exit order and joins them; if a step was
 interrupted half-way (the ranks would no longer agree on which collective comes next), it
