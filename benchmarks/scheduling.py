@@ -28,7 +28,8 @@ host memory too, so a swap is a memcpy; ``benchmarks/swap_gpu.py`` measures the 
 copy where it matters. The crossover is the shortest length at which recompute is cheaper.
 
 The issue's trace is 16-1,024-token prompts at a rate near capacity; the defaults here keep the
-whole script to a few minutes on this 2-core CPU (24 requests per run); the output says so.
+whole script to a few minutes on this 2-core CPU (32 requests per run, 2 requests per second,
+256 tokens per step); the output says so.
 """
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ def policies(args, path) -> None:
     print(f"\npart 1: {len(trace)} requests, Poisson arrivals at {args.rate}/s over {trace[-1].arrival:.1f} s, "
           f"prompts 16-1024 tokens ({num_prompt} in all), outputs 16-256 ({num_output} in all); "
           f"max_num_batched_tokens={args.max_num_batched_tokens}, max_num_seqs={args.max_num_seqs}")
-    print(f"  (scaled down from the issue for this CPU: {args.num_requests} requests per run, "
+    print(f"  (scaled down for this CPU: {args.num_requests} requests per run, "
           f"{args.repeats} interleaved repeats, medians reported)")
     _, config, _ = load_model(path, dtype=torch.float32, device="cpu")
     runs = {"static": [], "prefill_first": [], "mixed": []}
@@ -173,7 +174,7 @@ def swap_part(args, path, tmp) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--num-requests", type=int, default=24)
+    ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--rate", type=float, default=2.0, help="arrivals per second (Poisson)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=32)

@@ -312,16 +312,52 @@ class BlockManager:
         # table kept in sync that is (len(seq) - 1) % block_size == 0; counting the table
         # against num_blocks says the same and holds for every block_size >= 1.
         self._check_holder(seq)
-        return seq.num_blocks - len(seq.block_table)
+        return seq.num_blocks - len(seq.block_table) + self._needs_copy_on_write(seq)
 
-    def may_append(self, seq: Sequence) -> None:
-        """Add a block to ``seq``'s table if its newest token starts a new block."""
+    def _needs_copy_on_write(self, seq: Sequence) -> bool:
+        """Does the newest token land in a last block that other sequences share? (Only forks
+        share a block that is not full: a prefix-cache hit is always a full block.)"""
+        return len(seq.block_table) == seq.num_blocks and self.blocks[seq.block_table[-1]].ref_count > 1
+
+    def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Give ``seq``'s newest token a place: a new block if it starts one, or -- copy-on-write
+        -- a private copy of a shared last block. Returns the copies to make, ``(src, dst)``
+        block ids (vLLM's ``blocks_to_copy``), for whoever owns the K/V tensors: the new block
+        must receive the shared one's K/V before this step writes into it.
+        """
         needed = self._blocks_to_append(seq)
         if needed > len(self.free_block_ids):
             raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {needed} free block(s), "
                                     f"{len(self.free_block_ids)} are free")
+        if self._needs_copy_on_write(seq):
+            shared = self.blocks[seq.block_table[-1]]
+            copy = self._allocate_block()
+            shared.ref_count -= 1           # still >= 1: the other sharers keep it
+            seq.block_table[-1] = copy.block_id
+            return [(shared.block_id, copy.block_id)]
         for _ in range(needed):
             seq.block_table.append(self._allocate_block().block_id)
+        return []
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let ``child`` share every block of ``parent`` -- the partly filled last one too.
+
+        ``child`` is a fresh copy of ``parent`` (``Sequence.fork``): same tokens, no blocks. Each
+        block's ref count rises by one; no block is copied now. A copy is made only when one
+        of the sharers writes into a shared block that is not full (``may_append``).
+        """
+        self._check_holder(parent)
+        self._check_block_size(child)
+        if child.block_table or child.seq_id in self._holders:
+            raise ValueError(f"sequence {child.seq_id} already has blocks; a fork target must have none")
+        if child.token_ids != parent.token_ids or child.num_cached_tokens != parent.num_cached_tokens:
+            raise ValueError(f"sequence {child.seq_id} is not a copy of sequence {parent.seq_id} "
+                             "(tokens or cached tokens differ); make it with parent.fork(index)")
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        self._holders[child.seq_id] = child
 
     def deallocate(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, last block first.
@@ -368,6 +404,9 @@ class BlockManager:
             token_ids = seq.block(i)
             h = self.compute_hash(token_ids, h)
             block = self.blocks[seq.block_table[i]]
+            if block.hash == h:   # shared with a fork that registered it already
+                seq.block_hashes.append(h)
+                continue
             parent_prefix_id = self.blocks[seq.block_table[i - 1]].prefix_id if i else -1
             block.update(h, token_ids, self._prefix_id_for(parent_prefix_id, token_ids), parent_prefix_id)
             self.hash_to_block_id[h] = block.block_id

@@ -30,7 +30,8 @@ Chapter 09 adds three options, each off by default so that chapter 06's lesson s
   copied to a CPU block pool (``course_pkg.swap``) and copied back when it is readmitted,
   instead of being recomputed. ``schedule()`` lists the copies of its step in
   ``blocks_to_swap_out`` / ``blocks_to_swap_in`` as ``(src, dst)`` block-id pairs; whoever
-  owns the KV tensors performs them before the forward pass, swap-outs first;
+  owns the KV tensors performs them before the forward pass: swap-outs first, then the
+  copy-on-write copies, then swap-ins (every read of a block before a write into it);
 * ``same_step_prefix_hits=True``: a block is registered when it is scheduled to be filled, not
   after the step (see ``BlockManager.register_full_blocks`` for why that is safe).
 """
@@ -136,6 +137,10 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.preempted: list[Sequence] = []  # sent back to waiting by the latest schedule()
         self.finished: list[Sequence] = []   # finished, not yet handed over by postprocess()
+        # Copy-on-write copies (src, dst) that the K/V owner must make before the next forward
+        # pass (vLLM's blocks_to_copy). Kept until a step is recorded, so a failed step's
+        # copies are made again.
+        self.blocks_to_copy: list[tuple[int, int]] = []
         self.stats = SchedulerStats()
         self.scheduling = scheduling
         self.preemption_mode = preemption_mode
@@ -151,14 +156,18 @@ class Scheduler:
     # ---------------------------------------------------------------- requests
 
     def max_blocks_needed(self, seq: Sequence) -> int:
-        """Blocks ``seq`` holds at its longest: every token but the last one generated is stored.
+        """Blocks ``seq``'s request holds at its longest: every token but the last one generated
+        is stored (the final token is sampled and returned, never fed back).
 
-        The final token is sampled and returned, never fed back, so its K/V are never written.
+        With ``n`` completions, the full blocks of the prompt are shared by all of them and
+        every completion holds the rest on its own.
         """
         final_len = seq.num_prompt_tokens + seq.max_tokens
         if self.max_model_len is not None:
             final_len = min(final_len, self.max_model_len)
-        return (final_len - 1 + self.block_size - 1) // self.block_size
+        per_completion = (final_len - 1 + self.block_size - 1) // self.block_size
+        shared = min(seq.num_prompt_tokens // self.block_size, per_completion)
+        return shared + seq.sampling_params.n * (per_completion - shared)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request, or raise if it can never run (and queue nothing)."""
@@ -199,11 +208,14 @@ class Scheduler:
                              f"(the prompt must be shorter than max_model_len)")
         needed = self.max_blocks_needed(seq)
         if needed > self.block_manager.num_blocks:
+            n = seq.sampling_params.n
             raise ValueError(
                 f"sequence {seq.seq_id} can never fit in the KV cache: its prompt ({seq.num_prompt_tokens} "
-                f"tokens) plus up to {seq.max_tokens} generated tokens need {needed} blocks of "
-                f"{self.block_size} tokens, the pool has {self.block_manager.num_blocks}; "
-                f"use a larger pool, a shorter prompt or a smaller max_tokens")
+                f"tokens) plus up to {seq.max_tokens} generated tokens"
+                + (f" for each of {n} completions" if n > 1 else "")
+                + f" need {needed} blocks of {self.block_size} tokens, the pool has "
+                f"{self.block_manager.num_blocks}; use a larger pool, a shorter prompt or a smaller "
+                + ("max_tokens or n" if n > 1 else "max_tokens"))
 
     def is_finished(self) -> bool:
         """No request waits or runs (finished ones may still wait to be handed over)."""
@@ -283,7 +295,8 @@ class Scheduler:
             seq = self.waiting[0]
             continuing = bool(seq.block_table)  # a chunked prompt from the last step
             if not continuing:
-                if len(self.running) >= self.max_num_seqs:  # (admitted prompts are in running)
+                # (admitted prompts are in running; a request of n completions takes n seats)
+                if len(self.running) + seq.num_samples > self.max_num_seqs:
                     break
                 if not self._admit(seq):  # first come, first served: no overtaking
                     break
@@ -315,7 +328,7 @@ class Scheduler:
                 if victim is seq:           # it was the last one: it gave up its own blocks
                     break
             else:
-                bm.may_append(seq)
+                self.blocks_to_copy += bm.may_append(seq)   # copy-on-write of a shared last block
                 seq.num_scheduled_tokens = seq.num_tokens - seq.num_cached_tokens  # == 1
                 scheduled.append(seq)
                 self._register_scheduled(seq)
@@ -402,8 +415,8 @@ class Scheduler:
         for seq in sorted(self.waiting, key=lambda s: not s.block_table):   # stable: FCFS otherwise
             if num_batched_tokens >= budget:
                 break
-            if not seq.block_table:
-                if len(self.running) >= self.max_num_seqs or not self._admit(seq):
+            if not seq.block_table:   # a request of n completions takes n seats
+                if len(self.running) + seq.num_samples > self.max_num_seqs or not self._admit(seq):
                     break
             num_new_tokens = seq.num_tokens - seq.num_cached_tokens
             seq.num_scheduled_tokens = min(num_new_tokens, budget - num_batched_tokens)
@@ -430,6 +443,13 @@ class Scheduler:
     def _swap_out(self, seq: Sequence) -> bool:
         """Release ``seq``'s device blocks after listing their copy to the CPU pool; False (and
         nothing changed but the fallback count) when the CPU pool has no room."""
+        pending = [c for c in self.blocks_to_copy if c[1] in seq.block_table]
+        if pending:
+            # A failed step left a copy-on-write into one of its blocks still to be made, after
+            # the swap-outs: the copy to the CPU would miss it. Recompute instead; the copy is moot.
+            self.blocks_to_copy = [c for c in self.blocks_to_copy if c not in pending]
+            self.stats.num_swap_fallbacks += 1
+            return False
         num_blocks = -(-seq.num_cached_tokens // self.block_size)   # the blocks holding computed K/V
         if not self.cpu_pool.can_swap_out(num_blocks):
             self.stats.num_swap_fallbacks += 1
@@ -505,33 +525,45 @@ class Scheduler:
                 self.waiting.appendleft(seq)
             # (a chunked prompt is in waiting already, where it now waits as a new request)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int | None]) -> list[Sequence]:
+    def postprocess(self, seqs: list[Sequence], token_ids: list, logprobs: list | None = None) -> list[Sequence]:
         """Record a step's results; return the sequences that finished (each exactly once).
 
         ``token_ids[i]`` is the token sampled for ``seqs[i]``, or None when that sequence
-        computed only a chunk of its prompt (there is nothing to sample yet).
+        computed only a chunk of its prompt (there is nothing to sample yet), or -- for the
+        first sampled step of a request with ``n > 1`` completions -- a list of ``n`` tokens:
+        the sequence then forks into ``n``, sharing all its blocks (``BlockManager.fork``).
+        ``logprobs``, in the same shape, add to each sequence's ``cumulative_logprob``.
 
         The order makes a failure part-way harmless. The results are checked first, for the
         whole batch. Then plain bookkeeping that cannot fail: tokens counted as cached and
-        appended, finished sequences taken out of ``running`` into ``finished``. Then the
-        calls that may fail: ``hash_blocks`` (incremental, so a missed call is made up by the
-        next one) and the release of the finished sequences' blocks (retried by the next
-        call, which also hands over whatever this one could not).
+        appended, forks made, finished sequences taken out of ``running`` into ``finished``.
+        Then the calls that may fail: ``hash_blocks`` (incremental, so a missed call is made up
+        by the next one) and the release of the finished sequences' blocks (retried by the
+        next call, which also hands over whatever this one could not).
         """
         self._check_step_results(seqs, token_ids)
-        for seq, token_id in zip(seqs, token_ids):
+        if logprobs is None:
+            logprobs = [None if t is None else [0.0] * len(t) if isinstance(t, list) else 0.0 for t in token_ids]
+        self.blocks_to_copy = []   # the step ran: its copies are made
+        for seq, token_id, logprob in zip(seqs, token_ids, logprobs):
             # The step wrote the K/V of the scheduled tokens: they are cached now.
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             if token_id is None:  # a chunk of a prompt: nothing to sample yet
                 continue
-            seq.append_token(token_id)
-            self.stats.generation_tokens += 1
-            status = self._finish_status(seq, token_id)
-            if status is not None:
-                self.running.remove(seq)
-                seq.status = status
-                self.finished.append(seq)
+            if isinstance(token_id, list):   # n completions: fork before they diverge
+                group, tokens, lps = [seq] + self._fork(seq, len(token_id) - 1), token_id, logprob
+            else:
+                group, tokens, lps = [seq], [token_id], [logprob]
+            for s, t, lp in zip(group, tokens, lps):
+                s.append_token(t)
+                s.cumulative_logprob += lp
+                self.stats.generation_tokens += 1
+                status = self._finish_status(s, t)
+                if status is not None:
+                    self.running.remove(s)
+                    s.status = status
+                    self.finished.append(s)
         # Offer the blocks the step completed to other sequences -- a finishing sequence's
         # too: its blocks stay cached after release, and a chat's next turn may reuse them.
         for seq in seqs:
@@ -542,6 +574,18 @@ class Scheduler:
                 self.block_manager.deallocate(seq)
         finished, self.finished = self.finished, []
         return finished
+
+    def _fork(self, seq: Sequence, num_children: int) -> list[Sequence]:
+        """Completions 1 .. num_children of ``seq``'s request: forks sharing its blocks, placed
+        right after it in ``running`` (a group is preempted from its newest member on)."""
+        children = [seq.fork(j) for j in range(1, num_children + 1)]
+        for child in children:
+            self.block_manager.fork(seq, child)
+        seq.children = children
+        at = self.running.index(seq) + 1
+        for j, child in enumerate(children):
+            self.running.insert(at + j, child)
+        return children
 
     def _check_step_results(self, seqs: list[Sequence], token_ids: list[int | None]) -> None:
         """Raise ``ValueError`` unless the results fit the step ``schedule`` built; change nothing.
@@ -556,9 +600,18 @@ class Scheduler:
             if seq.num_scheduled_tokens < 1 or not seq.block_table:
                 raise ValueError(f"sequence {seq.seq_id} has no tokens scheduled in this step "
                                  f"(not scheduled, or its results were already recorded)")
-            if token_id is not None and (not is_int(token_id) or token_id < 0):
-                raise ValueError(f"sequence {seq.seq_id}: sampled token {token_id!r} is not a token id "
-                                 f"(an integer >= 0)")
+            n = seq.num_samples
+            if n > 1 and token_id is not None:
+                if not isinstance(token_id, list) or len(token_id) != n:
+                    raise ValueError(f"sequence {seq.seq_id} samples its first tokens for {n} completions: "
+                                     f"expected a list of {n} token ids, got {token_id!r}")
+                tokens = token_id
+            else:
+                tokens = [] if token_id is None else [token_id]
+            for t in tokens:
+                if not is_int(t) or t < 0:
+                    raise ValueError(f"sequence {seq.seq_id}: sampled token {t!r} is not a token id "
+                                     f"(an integer >= 0)")
             completes = seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens
             if completes and token_id is None:
                 raise ValueError(f"sequence {seq.seq_id} computed its last token but got no sampled token")

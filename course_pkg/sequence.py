@@ -80,6 +80,37 @@ class Sequence:
         self.temperature = sampling_params.temperature
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
+        # Parallel sampling (chapter 08): completion ``index`` of request ``request_id``; the
+        # first completion is the request's own sequence, the others are forks of it.
+        self.request_id = self.seq_id
+        self.index = 0
+        self.parent: Sequence | None = None
+        self.children: list[Sequence] = []   # the forks of a parent, completions 1 .. n-1
+        self.cumulative_logprob = 0.0        # sum of the log-probabilities of its sampled tokens
+
+    def fork(self, index: int) -> "Sequence":
+        """A new sequence with this one's tokens and progress, as completion ``index`` of the
+        same request. Blocks are not copied here: ``BlockManager.fork`` shares them."""
+        child = Sequence.__new__(Sequence)
+        child.__dict__.update(self.__dict__)
+        child.seq_id = next(Sequence._ids)
+        child.token_ids = list(self.token_ids)
+        child.block_table = []
+        child.block_hashes = []
+        child.children = []
+        child.index = index
+        child.parent = self if self.parent is None else self.parent
+        return child
+
+    @property
+    def num_samples(self) -> int:
+        """Tokens to sample for this sequence in its next sampled step: ``n`` when it is a
+        request's first sequence about to sample its first token (it forks into ``n``
+        completions then), else 1."""
+        n = self.sampling_params.n
+        if n > 1 and self.parent is None and not self.children and self.num_completion_tokens == 0:
+            return n
+        return 1
 
     def __len__(self) -> int:
         return self.num_tokens

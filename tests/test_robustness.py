@@ -84,9 +84,9 @@ def inject(llm, point, exc, at, monkeypatch):
         "deallocate": (llm.block_manager, "deallocate"),
         "decode": (llm.tokenizer, "decode"),
     }
-    if point == "sampler":        # a special method: looked up on the class
-        fault = Fault(Sampler.__call__, exc, at)
-        monkeypatch.setattr(Sampler, "__call__", lambda self, *a, **k: fault(self, *a, **k))
+    if point == "sampler":
+        fault = Fault(llm.model_runner.sampler.sample, exc, at)
+        monkeypatch.setattr(llm.model_runner.sampler, "sample", fault)
         return fault
     obj, name = targets[point]
     fault = Fault(getattr(obj, name), exc, at)
@@ -130,7 +130,7 @@ def test_a_request_that_always_fails_does_not_wedge_the_engine(reference, monkey
     the next generate, without that request, gives the right tokens."""
     expected, _ = reference
     llm = LLM(MODEL, **ENGINE)
-    real = Sampler.__call__
+    real = Sampler.sample
     poison = [999, 998, 997]
 
     def sampler(self, logits, seqs):
@@ -138,7 +138,7 @@ def test_a_request_that_always_fails_does_not_wedge_the_engine(reference, monkey
             raise ValueError("this request cannot be sampled")
         return real(self, logits, seqs)
 
-    monkeypatch.setattr(Sampler, "__call__", sampler)
+    monkeypatch.setattr(Sampler, "sample", sampler)
     for _ in range(2):
         with pytest.raises(ValueError, match="cannot be sampled"):
             llm.generate(PROMPTS[:2] + [poison], PARAMS, use_tqdm=False)

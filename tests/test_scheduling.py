@@ -360,17 +360,17 @@ def swap_reference():
 
 
 @pytest.mark.parametrize("scheduling", ["prefill_first", "mixed"])
-@pytest.mark.parametrize("point", ["swap", "forward", "postprocess", "deallocate"])
-@pytest.mark.parametrize("at", [1, 4, 8])
+@pytest.mark.parametrize("point", ["swap_out", "swap_in", "forward", "postprocess", "deallocate"])
+@pytest.mark.parametrize("at", [1, 3, 5])
 def test_a_fault_while_sequences_are_swapped_leaves_the_engine_as_good_as_new(swap_reference, scheduling,
                                                                                 point, at, monkeypatch):
     llm = LLM(MODEL, **FAULT_ENGINE, scheduling=scheduling)
-    obj = {"swap": llm.model_runner, "forward": llm.model, "postprocess": llm.scheduler,
-           "deallocate": llm.block_manager}[point]
+    obj = {"swap_out": llm.model_runner, "swap_in": llm.model_runner, "forward": llm.model,
+           "postprocess": llm.scheduler, "deallocate": llm.block_manager}[point]
     real, calls = getattr(obj, point), []
 
     def fails_once(*args, **kwargs):
-        if point == "swap" and not any(args):   # swap: count only the steps that copy blocks
+        if point.startswith("swap") and not args[0]:   # count only the steps that copy blocks
             return real(*args, **kwargs)
         calls.append(1)
         if len(calls) == at:
@@ -460,3 +460,24 @@ def test_prometheus_metrics_served_over_http_agree_with_get_metrics(prompts):
     llm.abort_request(waiting_id)                    # an abort updates the gauges too
     assert llm.metrics_registry.get_sample_value(
         "vllm:num_requests_waiting", {"model_name": "tiny", "engine": "0"}) == 0
+
+
+# ---------------------------------------------------------------- with forks (chapter 08)
+
+@pytest.mark.parametrize("option", ["mixed", "swap", "mixed-swap"])
+def test_parallel_sampling_under_the_options_equals_single_requests(option):
+    """Chapter 08's check under chapter 09's options: two requests of 4 seeded completions in a
+    pool too small for both (forks share blocks, copy on write, and are preempted -- swapped
+    with "swap"); completion j equals the single request seeded s + j."""
+    from tests.test_forks import PROMPT, PROMPT2, seeded
+
+    llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=12, **OPTIONS[option])
+    outs = llm.generate([PROMPT, PROMPT2], [seeded(100, n=4), seeded(200, n=4)], use_tqdm=False)
+    single = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=64)
+    for out, prompt, seed in zip(outs, [PROMPT, PROMPT2], [100, 200]):
+        singles = [single.generate([prompt], seeded(seed + j), use_tqdm=False)[0] for j in range(4)]
+        assert [c.token_ids for c in out.outputs] == [s.token_ids for s in singles]
+    m = llm.get_metrics()
+    assert m.num_preemptions > 0 and llm.block_manager.num_free_blocks == 12
+    if "swap" in option:
+        assert m.num_swapped_out > 0 and llm.scheduler.cpu_pool.num_free_blocks == llm.scheduler.cpu_pool.num_blocks

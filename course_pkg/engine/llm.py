@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
 
+from course_pkg.engine.beam_search import BeamSearchOutput, beam_search_one
 from course_pkg.engine.llm_engine import LLMEngine, RequestOutput
-from course_pkg.sampling_params import SamplingParams
+from course_pkg.sampling_params import BeamSearchParams, SamplingParams
 from course_pkg.validation import check_bool
 
 
@@ -108,3 +109,30 @@ class LLM(LLMEngine):
             except Exception:   # keep aborting the others; the original error is re-raised
                 pass
         self.unclaimed_outputs.update(outputs)
+
+    def beam_search(self, prompts, params: BeamSearchParams, on_step=None) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (vLLM's ``LLM.beam_search``), one prompt after another.
+
+        The beams of a prompt are forked sequences that share their blocks; see
+        :mod:`course_pkg.engine.beam_search`. The engine must have no other requests (beam
+        search does not interleave with ``generate``). Every prompt is checked first: a prompt
+        whose ``beam_width`` beams could never fit in the pool together raises ``ValueError``
+        before anything runs.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        prompts = _as_prompt_list(prompts)
+        with self._exclusive():
+            if self.has_unfinished_requests():
+                raise RuntimeError("beam_search runs alone: finish or abort the queued requests first")
+            as_n = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True,
+                                  n=params.beam_width)
+            token_ids = []
+            for i, prompt in enumerate(prompts):
+                try:
+                    seq = self.make_sequence(prompt, as_n)   # a request of beam_width completions
+                    self.scheduler.check(seq)
+                except (ValueError, TypeError) as e:
+                    raise type(e)(f"prompt {i}: {e}") from None
+                token_ids.append(seq.token_ids)
+            return [beam_search_one(self, ids, params, on_step) for ids in token_ids]

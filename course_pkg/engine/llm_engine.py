@@ -82,12 +82,29 @@ class RequestMetrics:
 
 
 @dataclass
+class CompletionOutput:
+    """One completion of a request (vLLM's ``CompletionOutput``): completion ``index`` of ``n``.
+
+    ``cumulative_logprob`` is the sum of the model's log-probabilities (``log_softmax`` of the
+    raw logits) of the completion's tokens.
+    """
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    cumulative_logprob: float
+    finish_reason: str
+
+
+@dataclass
 class RequestOutput:
     """What ``generate`` returns per prompt (names as in vLLM's ``RequestOutput``).
 
-    ``num_cached_tokens`` is how many prompt tokens the prefix cache provided when the
+    ``outputs`` holds the request's ``n`` completions in index order; ``text``, ``token_ids``
+    and ``finish_reason`` are the first one's, so code written for ``n == 1`` reads them
+    directly. ``num_cached_tokens`` is how many prompt tokens the prefix cache provided when the
     request was first admitted (not ``Sequence.num_cached_tokens``, which counts every token
-    computed so far). ``finish_reason`` is ``"stop"`` (end-of-sequence token), ``"length"``
+    computed so far). A ``finish_reason`` is ``"stop"`` (end-of-sequence token), ``"length"``
     (``max_tokens`` or ``max_model_len`` reached) or ``"abort"`` (``abort_request``), as the
     Scheduler decided it.
     """
@@ -95,11 +112,21 @@ class RequestOutput:
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str | None
-    token_ids: list[int]
-    finish_reason: str
+    outputs: list[CompletionOutput]
     num_cached_tokens: int
     metrics: RequestMetrics
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
 
     def __getitem__(self, key: str):  # Nano-vLLM returns dicts: out["text"], out["token_ids"]
         return getattr(self, key)
@@ -136,8 +163,10 @@ class EngineMetrics:
 class StepInfo:
     """What one ``step()`` did: deterministic, printable, for notebooks and tests.
 
-    ``scheduled`` holds ``(request_id, first_position, num_tokens)`` per sequence,
-    ``sampled`` ``(request_id, token_id)``, ``preempted`` the requests sent back to waiting.
+    ``scheduled`` holds ``(seq_id, first_position, num_tokens)`` per sequence, ``sampled``
+    ``(seq_id, token_id)``, ``preempted`` the sequences sent back to waiting, ``finished`` the
+    requests handed out, ``copies`` the copy-on-write ``(src, dst)`` blocks copied before the
+    forward pass. (A request's first sequence has the request's id; its forks have their own.)
     """
 
     step: int
@@ -146,6 +175,7 @@ class StepInfo:
     sampled: tuple[tuple[int, int], ...]
     preempted: tuple[int, ...]
     finished: tuple[int, ...]
+    copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -173,6 +203,11 @@ class LLMEngine:
     package). The KV cache holds ``num_kvcache_blocks`` blocks when given, else as many as
     ``kv_cache_memory_bytes`` allows (a CPU default of 256 MiB), or on a GPU what
     ``gpu_memory_utilization`` leaves after the weights and a warm-up pass.
+
+    ``tensor_parallel_size=k > 1`` splits the model over ``k`` ranks (chapter 10,
+    :mod:`course_pkg.distributed`): this process is rank 0 and keeps the one scheduler;
+    ``self.model`` is then rank 0's shard, and the byte budget is per rank. Call ``close()``
+    (or use ``with LLM(...) as llm:``) to stop the worker processes.
     """
 
     def __init__(self, model: str | Path | None = None, *, block_size: int = 16,
@@ -181,11 +216,11 @@ class LLMEngine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, attention_backend: str = "auto",
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 seed: int = 0, free_queue: str = "linked", scheduling: str = "prefill_first",
-                 preemption_mode: str = "recompute", num_cpu_blocks: int | None = None,
-                 same_step_prefix_hits: bool = False):
+                 seed: int = 0, free_queue: str = "linked", tensor_parallel_size: int = 1,
+                 scheduling: str = "prefill_first", preemption_mode: str = "recompute",
+                 num_cpu_blocks: int | None = None, same_step_prefix_hits: bool = False):
         from course_pkg.engine.metrics import PrometheusMetrics
-        from course_pkg.models import load_model
+        from course_pkg.models import default_model_path, load_config, load_model, load_tokenizer
         from course_pkg.scheduler import SCHEDULING_POLICIES, check_preemption
 
         # Chapter 09's options are checked before the model loads (the Scheduler checks them too).
@@ -199,19 +234,36 @@ class LLMEngine:
         check_positive_int("block_size", block_size)
         check_bool("enable_prefix_caching", enable_prefix_caching)
         check_int("seed", seed, minimum=0, maximum=INT64_MAX)
-        self.model, self.config, self.tokenizer = load_model(model, dtype=dtype, device=device)
+        check_positive_int("tensor_parallel_size", tensor_parallel_size)
+        if preemption_mode == "swap" and tensor_parallel_size > 1:
+            raise ValueError("preemption_mode='swap' is not supported with tensor_parallel_size > 1 "
+                             "(every rank would have to swap its shard of the cache); use 'recompute'")
+        if tensor_parallel_size == 1:
+            self.model, self.config, self.tokenizer = load_model(model, dtype=dtype, device=device)
+        else:       # the ranks load their own shards; rank 0 needs the config and tokenizer only
+            from course_pkg.distributed import check_tensor_parallel_size
+            path = default_model_path() if model is None else Path(model)
+            self.config, self.tokenizer = load_config(path), load_tokenizer(path)
+            check_tensor_parallel_size(tensor_parallel_size, self.config, device.type)
         limit = self.config.max_position_embeddings
         if max_model_len is None:
             max_model_len = limit
         else:
             check_int("max_model_len", max_model_len, minimum=2, maximum=limit)
         self.max_model_len = max_model_len
-        self.model_runner = ModelRunner(
-            self.model, self.config, block_size=block_size, num_kvcache_blocks=num_kvcache_blocks,
+        runner_kwargs = dict(
+            block_size=block_size, num_kvcache_blocks=num_kvcache_blocks,
             kv_cache_memory_bytes=kv_cache_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
             attention_backend=attention_backend, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, seed=seed,
-            num_cpu_blocks=num_cpu_blocks if preemption_mode == "swap" else 0)
+            max_model_len=max_model_len, seed=seed)
+        if tensor_parallel_size == 1:
+            self.model_runner = ModelRunner(self.model, self.config, **runner_kwargs,
+                                            num_cpu_blocks=num_cpu_blocks if preemption_mode == "swap" else 0)
+        else:
+            from course_pkg.distributed import TensorParallelModelRunner
+            self.model_runner = TensorParallelModelRunner.launch(
+                path, self.config, tensor_parallel_size, device=device, dtype=dtype, **runner_kwargs)
+            self.model = self.model_runner.model
         eos = stop_token_ids(model, self.config, self.tokenizer)
         self.scheduler = Scheduler(
             self.model_runner.num_kvcache_blocks, block_size, max_num_seqs=max_num_seqs,
@@ -223,7 +275,7 @@ class LLMEngine:
         self.num_steps = 0
         self.last_step: StepInfo | None = None
         self._requests: dict[int, _Request] = {}     # every request not yet handed out
-        self._unreported: list[Sequence] = []        # finished; their outputs not built yet
+        self._ready: list[int] = []                  # requests whose every completion finished
         self._lock = threading.RLock()
         self.prometheus = PrometheusMetrics(Path(model).name if model is not None else "course-tiny")
         self.prometheus.update(self.get_metrics())
@@ -243,6 +295,18 @@ class LLMEngine:
             yield
         finally:
             self._lock.release()
+
+    def close(self) -> None:
+        """Release what outlives a Python reference: the tensor-parallel worker processes."""
+        close = getattr(self.model_runner, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---------------------------------------------------------------- requests
 
@@ -299,15 +363,21 @@ class LLMEngine:
         with self._exclusive():
             if request_id not in self._requests:
                 raise KeyError(f"no unfinished request with id {request_id}")
-            seq = self._requests[request_id].seq
-            if any(s is seq for s in self._unreported):
-                self._unreported.remove(seq)
-            elif self.scheduler.holds(seq):
-                self.scheduler.abort(seq)
-            out = self._make_output(seq)   # if this raises, a second call returns the output
+            if request_id not in self._ready:
+                for seq in self._completions(request_id):
+                    if self.scheduler.holds(seq):
+                        self.scheduler.abort(seq)
+            out = self._make_output(request_id)   # if this raises, a second call returns it
+            if request_id in self._ready:
+                self._ready.remove(request_id)
             del self._requests[request_id]
             self._observe_finished([out])
             return out
+
+    def _completions(self, request_id: int) -> list[Sequence]:
+        """The sequences of a request: its own, then its forks (completions 1 .. n-1)."""
+        seq = self._requests[request_id].seq
+        return [seq] + seq.children
 
     def get_sequence(self, request_id: int) -> Sequence:
         """The live Sequence of an unfinished request (to watch its block table)."""
@@ -331,31 +401,43 @@ class LLMEngine:
             scheduled = tuple((s.seq_id, s.num_cached_tokens, s.num_scheduled_tokens) for s in seqs)
             preempted = tuple(s.seq_id for s in self.scheduler.preempted)
             self._note_scheduled(seqs, preempted, time.perf_counter())
+            copies = tuple(self.scheduler.blocks_to_copy)
             try:
-                self.model_runner.swap(self.scheduler.blocks_to_swap_out, self.scheduler.blocks_to_swap_in)
-                token_ids = self.model_runner.run(seqs)
-                self._unreported += self.scheduler.postprocess(seqs, token_ids)
+                # Every read of a block before any write into it: a block freed by a preemption
+                # in this step may already be a copy's or a swap-in's destination (chapter 09).
+                self.model_runner.swap_out(self.scheduler.blocks_to_swap_out)
+                self.model_runner.copy_blocks(list(copies))   # copy-on-write, before the forward pass
+                self.model_runner.swap_in(self.scheduler.blocks_to_swap_in)
+                token_ids, logprobs = self.model_runner.run_with_logprobs(seqs)
+                finished = self.scheduler.postprocess(seqs, token_ids, logprobs)
             except BaseException:
                 self.scheduler.unschedule(seqs)   # nothing recorded: the next step redoes it
                 raise
+            for seq in finished:   # a request is done when all its completions are
+                rid = seq.request_id
+                if rid not in self._ready and all(s.is_finished for s in self._completions(rid)):
+                    self._ready.append(rid)
             now = time.perf_counter()
+            sampled_requests = set()   # a request's completions sample together: one token time per step
             for seq, token in zip(seqs, token_ids):
-                if token is not None:
-                    metrics = self._requests[seq.seq_id].metrics
-                    first = metrics.first_token_time is None
-                    metrics.record_token(now, self.num_steps)
-                    self.prometheus.observe_token(metrics.time_to_first_token if first else None,
-                                                  None if first else metrics.inter_token_latencies[-1])
+                if token is None or seq.request_id in sampled_requests:
+                    continue
+                sampled_requests.add(seq.request_id)
+                metrics = self._requests[seq.request_id].metrics
+                first = metrics.first_token_time is None
+                metrics.record_token(now, self.num_steps)
+                self.prometheus.observe_token(metrics.time_to_first_token if first else None,
+                                              None if first else metrics.inter_token_latencies[-1])
             # Build every output before handing any out: if the tokenizer raises, they all
             # stay pending and the next step hands them out.
-            outputs = [self._make_output(seq) for seq in self._unreported]
-            for seq in self._unreported:
-                del self._requests[seq.seq_id]
-            self._unreported = []
+            outputs = [self._make_output(rid) for rid in self._ready]
+            for rid in self._ready:
+                del self._requests[rid]
+            self._ready = []
             self.last_step = StepInfo(
                 step=self.num_steps, is_prefill=is_prefill, scheduled=scheduled,
                 sampled=tuple((s.seq_id, t) for s, t in zip(seqs, token_ids) if t is not None),
-                preempted=preempted, finished=tuple(out.request_id for out in outputs))
+                preempted=preempted, finished=tuple(out.request_id for out in outputs), copies=copies)
             self.num_steps += 1
             self._observe_finished(outputs)
             return outputs
@@ -366,25 +448,27 @@ class LLMEngine:
         self.prometheus.update(self.get_metrics())
 
     def _note_scheduled(self, seqs: list[Sequence], preempted: tuple[int, ...], now: float) -> None:
-        for rid in preempted:
-            self._requests[rid].metrics.num_preemptions += 1
+        for seq in self.scheduler.preempted:
+            self._requests[seq.request_id].metrics.num_preemptions += 1
         for seq in seqs:
-            req = self._requests[seq.seq_id]
+            req = self._requests[seq.request_id]
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
                 req.num_cached_tokens = seq.num_cached_tokens   # the prefix-cache hit at admission
 
-    def _make_output(self, seq: Sequence) -> RequestOutput:
-        req = self._requests[seq.seq_id]
+    def _make_output(self, request_id: int) -> RequestOutput:
+        req = self._requests[request_id]
         if req.metrics.finished_time is None:
             req.metrics.finished_time = time.perf_counter()
-        tokens = seq.completion_token_ids
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return RequestOutput(request_id=seq.seq_id, prompt=req.prompt, prompt_token_ids=seq.prompt_token_ids,
-                             text=text, token_ids=tokens, finish_reason=seq.finish_reason,
-                             num_cached_tokens=req.num_cached_tokens, metrics=req.metrics)
+        outputs = []
+        for seq in self._completions(request_id):
+            tokens = seq.completion_token_ids
+            text = None if self.tokenizer is None else self.tokenizer.decode(tokens, skip_special_tokens=True)
+            outputs.append(CompletionOutput(index=seq.index, text=text, token_ids=tokens,
+                                            cumulative_logprob=seq.cumulative_logprob,
+                                            finish_reason=seq.finish_reason or "abort"))
+        return RequestOutput(request_id=request_id, prompt=req.prompt, prompt_token_ids=req.seq.prompt_token_ids,
+                             outputs=outputs, num_cached_tokens=req.num_cached_tokens, metrics=req.metrics)
 
     # ---------------------------------------------------------------- metrics
 

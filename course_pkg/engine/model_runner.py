@@ -83,14 +83,12 @@ class ModelRunner:
         shape = (2, self.num_layers, num_cpu_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         return torch.zeros(shape, dtype=self.dtype, device="cpu", pin_memory=self.device.type == "cuda")
 
-    def swap(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]]) -> None:
-        """One step's copies, swap-outs first: a block a swap-out frees may be the target of a
-        swap-in of the same step, and it must be saved before it is overwritten."""
-        self.swap_out(blocks_to_swap_out)
-        self.swap_in(blocks_to_swap_in)
-
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy device blocks to CPU blocks: ``pairs`` of (device block, CPU block), all layers, K and V."""
+        """Copy device blocks to CPU blocks: ``pairs`` of (device block, CPU block), all layers, K and V.
+
+        A step's swap-outs run before anything else writes into the device cache: the scheduler
+        frees a victim's blocks at once, and the same step may hand them out again.
+        """
         if not pairs:
             return
         src = torch.tensor([d for d, _ in pairs], dtype=torch.long, device=self.device)
@@ -230,13 +228,47 @@ class ModelRunner:
                 tensor(logits_rows, torch.long), sample_seqs)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> list[int | None]:
-        """Compute the scheduled tokens of ``seqs``; one sampled token per sequence, or None
-        for a sequence that computed only a chunk of its prompt."""
+    def run(self, seqs: list[Sequence]) -> list[int | list[int] | None]:
+        """Compute the scheduled tokens of ``seqs``; one sampled token per sequence (a list of
+        ``seq.num_samples`` for a sequence about to fork), or None for a sequence that computed
+        only a chunk of its prompt."""
+        return self.run_with_logprobs(seqs)[0]
+
+    @torch.inference_mode()
+    def run_with_logprobs(self, seqs: list[Sequence]):
+        """``run``, plus the log-probability of each sampled token, in the same shape."""
         if not seqs:
-            return []
+            return [], []
+        logits, sample_seqs = self._forward(seqs)
+        tokens, logprobs = self.sampler.sample(logits, sample_seqs) if sample_seqs else ([], [])
+        by_seq = {id(seq): (t, lp) for seq, t, lp in zip(sample_seqs, tokens, logprobs)}
+        results = [by_seq.get(id(seq), (None, None)) for seq in seqs]
+        return [t for t, _ in results], [lp for _, lp in results]
+
+    @torch.inference_mode()
+    def compute_logprobs(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Compute the scheduled tokens of ``seqs`` (each must reach its last token) and return
+        the next-token log-probabilities, ``[len(seqs), vocab]`` float32 (beam search)."""
+        logits, sample_seqs = self._forward(seqs)
+        if len(sample_seqs) != len(seqs):
+            raise ValueError("compute_logprobs needs every sequence to reach its last token")
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def _forward(self, seqs: list[Sequence]):
         input_ids, positions, attn, logits_rows, sample_seqs = self.prepare(seqs)
         hidden = self.model(input_ids, positions, attn, self.kv_caches)
-        tokens = self.sampler(self.model.compute_logits(hidden[logits_rows]), sample_seqs) if sample_seqs else []
-        by_seq = {id(seq): t for seq, t in zip(sample_seqs, tokens)}
-        return [by_seq.get(id(seq)) for seq in seqs]
+        logits = self.model.compute_logits(hidden[logits_rows]) if sample_seqs else None
+        return logits, sample_seqs
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block ``dst`` receives block ``src``'s K and V, in every layer.
+
+        Done before the step's forward pass, which then writes the new token into ``dst``.
+        """
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], device=self.device)
+        dst = torch.tensor([b for _, b in pairs], device=self.device)
+        # kv_cache is [2, layers, blocks, block_size, kv_heads, head_dim]: one indexed copy.
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
