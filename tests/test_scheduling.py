@@ -481,3 +481,55 @@ def test_parallel_sampling_under_the_options_equals_single_requests(option):
     assert m.num_preemptions > 0 and llm.block_manager.num_free_blocks == 12
     if "swap" in option:
         assert m.num_swapped_out > 0 and llm.scheduler.cpu_pool.num_free_blocks == llm.scheduler.cpu_pool.num_blocks
+
+
+def test_a_swap_victim_with_a_pending_copy_into_its_blocks_is_recomputed():
+    """A failed step keeps its copy-on-write copies for the next one, which makes them after its
+    swap-outs: a victim whose block still waits for such a copy must not be swapped."""
+    sched = Scheduler(4, 4, preemption_mode="swap", num_cpu_blocks=4)
+    a = Sequence([1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=2), block_size=4)
+    sched.add(a)
+    seqs, _ = sched.schedule()
+    sched.postprocess(seqs, [7])
+    sched.blocks_to_copy = [(3, a.block_table[1])]     # as a failed step would leave it
+    sched.preempt(a)
+    assert a.seq_id not in sched.cpu_pool and sched.stats.num_swap_fallbacks == 1
+    assert sched.blocks_to_copy == [] and not a.block_table
+
+
+# ---------------------------------------------------------------- arrivals and their drawings
+
+def test_poisson_trace_is_seeded_and_has_the_asked_rate():
+    from course_pkg.workloads.arrivals import poisson_trace
+
+    a = poisson_trace(2000, 4.0, seed=3, prompt_len=(5, 9), output_len=(2, 3))
+    assert a == poisson_trace(2000, 4.0, seed=3, prompt_len=(5, 9), output_len=(2, 3))
+    gaps = [y.arrival - x.arrival for x, y in zip(a, a[1:])]
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 4.0, rel=0.08)
+    assert all(5 <= len(r.prompt) <= 9 and 2 <= r.max_tokens <= 3 for r in a)
+    steps = poisson_trace(50, 0.5, seed=3, integer_arrivals=True)
+    assert all(r.arrival == int(r.arrival) for r in steps)
+
+
+def test_serve_on_the_step_clock_counts_steps_from_arrival():
+    """One request of 10 tokens arriving at step 3, a budget of 4 tokens: 3 prefill steps, then
+    one token per step. The clock jumps over the idle steps before it arrives."""
+    from course_pkg.workloads.arrivals import TimedRequest, serve
+    from course_pkg.viz.timeline import render_timeline
+
+    llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=16, max_num_batched_tokens=4)
+    result = serve(llm, [TimedRequest(list(range(10, 20)), 4, 3.0)], clock="steps")
+    [req] = result.requests
+    assert req.ttft == 3 and req.inter_token == [1, 1, 1] and len(result.steps) == 6
+    assert result.step_clock == [3, 4, 5, 6, 7, 8]
+    assert render_timeline(result, {req.request_id: "A"}).splitlines()[1] == "   A |PPPddd|"
+
+
+def test_pools_name_the_owner_of_every_device_and_cpu_block():
+    from course_pkg.viz.pools import pool_owners, render_pools
+
+    sched, a, b, _ = swapping_scheduler()
+    device, cpu = pool_owners(sched.block_manager, sched.cpu_pool, {"a": a, "b": b})
+    assert sorted(i for i, o in enumerate(device) if o == "a") == sorted(a.block_table)
+    assert [i for i, o in enumerate(cpu) if o == "b"] == sched.cpu_pool.block_table(b.seq_id)
+    assert render_pools(device, cpu).splitlines()[1].startswith("cpu    |b|b|")
