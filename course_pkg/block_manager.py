@@ -377,27 +377,25 @@ class BlockManager:
         seq.block_hashes.clear()
         seq.num_cached_tokens = 0
 
-    def hash_blocks(self, seq: Sequence) -> None:
+    def hash_blocks(self, seq: Sequence, num_computed_tokens: int | None = None) -> None:
         """Register the blocks of ``seq`` that became full and computed since the last call.
 
         Called after each step, once ``seq.num_cached_tokens`` counts the tokens whose K/V
         that step wrote. Registering at allocation instead would let another sequence "hit"
         a block whose K/V do not exist yet. Incremental: a call that was missed is made up by
         the next one.
-        """
-        self.register_full_blocks(seq, seq.num_cached_tokens)
 
-    def register_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """Register the blocks of ``seq`` that its first ``num_computed_tokens`` tokens fill.
-
-        ``hash_blocks`` calls it with the tokens computed so far. A scheduler that offers
-        same-step prefix hits (chapter 09) calls it when it schedules the tokens instead: in one
-        forward pass every layer stores the step's K/V before it attends, so a sequence later
-        in the same batch may read a block that an earlier one fills in that pass.
+        ``num_computed_tokens`` (default ``seq.num_cached_tokens``): a scheduler that offers
+        same-step prefix hits (chapter 09) passes the tokens computed once the step it is
+        scheduling has run. That is safe because in one forward pass every layer stores the
+        step's K/V before it attends: a later sequence of the same batch may read a block that
+        an earlier one fills in that pass.
         """
         if not self.enable_prefix_caching:
             return
         self._check_holder(seq)
+        if num_computed_tokens is None:
+            num_computed_tokens = seq.num_cached_tokens
         num_full = min(num_computed_tokens // self.block_size, len(seq.block_table))
         h = seq.block_hashes[-1] if seq.block_hashes else -1
         for i in range(len(seq.block_hashes), num_full):

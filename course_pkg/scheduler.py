@@ -33,7 +33,7 @@ Chapter 09 adds three options, each off by default so that chapter 06's lesson s
   owns the KV tensors performs them before the forward pass: swap-outs first, then the
   copy-on-write copies, then swap-ins (every read of a block before a write into it);
 * ``same_step_prefix_hits=True``: a block is registered when it is scheduled to be filled, not
-  after the step (see ``BlockManager.register_full_blocks`` for why that is safe).
+  after the step (see ``BlockManager.hash_blocks`` for why that is safe).
 """
 from __future__ import annotations
 
@@ -482,7 +482,7 @@ class Scheduler:
         if not self.same_step_prefix_hits:
             return
         before = len(seq.block_hashes)
-        self.block_manager.register_full_blocks(seq, seq.num_cached_tokens + seq.num_scheduled_tokens)
+        self.block_manager.hash_blocks(seq, seq.num_cached_tokens + seq.num_scheduled_tokens)
         self._registered_now.update(seq.block_table[before:len(seq.block_hashes)])
 
     def _unschedule_swaps_and_registrations(self, seqs: list[Sequence]) -> None:
