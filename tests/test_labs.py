@@ -1,0 +1,256 @@
+"""The labs (course_pkg.labs): every reference passes, every stub and mutant fails, and says where.
+
+A grader that accepts a mutant has a blind spot; one that rejects the package's own code, or a
+correct solution written differently, tests something the contract does not say. Both are
+checked here, with solutions written in this file independently of the package.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from course_pkg.block import Block
+from course_pkg.block_manager import BlockManager, NoFreeBlocksError
+from course_pkg.labs import LABS, Solution, labs_of_chapter, show_solution, show_stub, source_of
+from course_pkg.labs.hooks import PRIVATE_MEMBERS
+from course_pkg.labs.lab import resolve
+from course_pkg.sequence import Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+MUTANTS = [(lab.name, mutant) for lab in LABS.values() for mutant in lab.mutant_paths]
+
+
+def _assert_failures_name_their_scenario(report) -> None:
+    assert report.failures, "a failing report without failures"
+    for failure in report.failures:
+        scenario = next((s for s in report.scenarios if failure.startswith(s + ": ")), None)
+        assert scenario is not None, f"failure names no scenario of the lab: {failure!r}"
+        assert len(failure) > len(scenario) + 10, f"failure does not say what differed: {failure!r}"
+
+
+def test_registry_covers_every_chapter_with_enough_labs_and_mutants():
+    assert len(LABS) >= 10
+    for chapter in range(1, 8):
+        assert labs_of_chapter(chapter), f"chapter {chapter:02d} has no lab"
+    assert sum(len(lab.mutant_paths) for lab in LABS.values()) >= 16
+    for lab in LABS.values():
+        assert lab.mutant_paths, f"lab {lab.name} has no mutant"
+        assert lab.title and lab.checks and lab.task
+
+
+@pytest.mark.parametrize("name", list(LABS))
+def test_the_reference_passes(name):
+    lab = LABS[name]
+    report = lab.grade(lab.reference)
+    assert report.passed, str(report)
+    assert report.scenarios and not report.failures
+
+
+@pytest.mark.parametrize("name", list(LABS))
+def test_the_stub_fails_and_every_failure_names_its_scenario(name):
+    lab = LABS[name]
+    report = lab.grade(lab.stub)
+    assert not report.passed
+    _assert_failures_name_their_scenario(report)
+    assert str(report).startswith(f"lab {name}: FAILED")
+
+
+@pytest.mark.parametrize(("name", "mutant"), MUTANTS, ids=[f"{n}-{m}" for n, m in MUTANTS])
+def test_every_mutant_is_rejected_and_the_failure_names_its_scenario(name, mutant):
+    lab = LABS[name]
+    report = lab.grade(lab.mutants[mutant])
+    assert not report.passed, f"mutant {mutant!r} of lab {name} passes: the grader has a blind spot"
+    _assert_failures_name_their_scenario(report)
+
+
+# ------------------------------------------------------------------ correct solutions, written here
+
+class DictFreeBlockQueue:
+    """A linked free queue written with dicts, differently from the package's arrays."""
+
+    def __init__(self, num_blocks):
+        self.n = num_blocks
+        self.prev, self.next = {}, {}
+        self.first = self.last = None
+        for b in range(num_blocks):
+            self.append(b)
+
+    def __len__(self):
+        return len(self.prev)
+
+    def __iter__(self):
+        b = self.first
+        while b is not None:
+            yield b
+            b = self.next[b]
+
+    def popleft(self):
+        if self.first is None:
+            raise IndexError("empty")
+        b = self.first
+        self.remove(b)
+        return b
+
+    def append(self, b):
+        if not (isinstance(b, int) and 0 <= b < self.n) or b in self.prev:
+            raise ValueError(b)
+        self.prev[b], self.next[b] = self.last, None
+        if self.last is None:
+            self.first = b
+        else:
+            self.next[self.last] = b
+        self.last = b
+
+    def remove(self, b):
+        if b not in self.prev:
+            raise ValueError(b)
+        p, n = self.prev.pop(b), self.next.pop(b)
+        if p is None:
+            self.first = n
+        else:
+            self.next[p] = n
+        if n is None:
+            self.last = p
+        else:
+            self.prev[n] = p
+
+
+class MinusOneRuleBlockManager(BlockManager):
+    """can_append / may_append by the rule "(len - 1) % block_size == 0" instead of counting the table."""
+
+    def can_append(self, seq):
+        return len(self.free_block_ids) >= ((len(seq) - 1) % self.block_size == 0)
+
+    def may_append(self, seq):
+        if (len(seq) - 1) % self.block_size == 0:
+            if not self.free_block_ids:
+                raise NoFreeBlocksError("no free block")
+            seq.block_table.append(self._allocate_block().block_id)
+
+
+class SimpleBlock(Block):
+    def reset(self):
+        self.token_ids = []
+        self.hash = -1
+        self.ref_count = 1
+
+
+class ArithmeticSequence(Sequence):
+    @property
+    def num_blocks(self):
+        return -(-self.num_tokens // self.block_size)
+
+    @property
+    def last_block_num_tokens(self):
+        return (self.num_tokens - 1) % self.block_size + 1
+
+    def block(self, i):
+        if not 0 <= i < self.num_blocks:
+            raise IndexError(i)
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+
+def _kernel_lab(attr):
+    return getattr(importlib.import_module("course_pkg.labs.kernel_labs"), attr)
+
+
+@pytest.mark.parametrize(("name", "solution"), [
+    ("free_queue", lambda: DictFreeBlockQueue),
+    ("append", lambda: MinusOneRuleBlockManager),
+    ("block_reset", lambda: SimpleBlock),
+    ("logical_blocks", lambda: ArithmeticSequence),
+    ("kv_block_bytes", lambda: lambda bs, layers, heads, dim, nbytes: bs * layers * heads * dim * nbytes * 2),
+    ("fragmentation", lambda: lambda tokens, bs: sum((bs - n % bs) % bs for n in tokens)),
+    ("store_kvcache", lambda: _kernel_lab("store_lab_shaped")),        # a kernel of the lab's shape
+    ("paged_attention", lambda: _kernel_lab("decode_lab_shaped")),
+])
+def test_a_correct_solution_written_differently_passes(name, solution):
+    report = LABS[name].grade(solution())
+    assert report.passed, str(report)
+
+
+# ------------------------------------------------------------------ the measured gates
+
+def test_the_free_queue_gate_alone_rejects_an_o_n_remove():
+    report = LABS["free_queue"].grade(LABS["free_queue"].mutants["deque.remove (O(n))"])
+    assert len(report.failures) == 1 and report.failures[0].startswith("remove costs the same"), report.failures
+    assert re.search(r"ratio \d+\.\d+", " ".join(report.notes))
+
+
+def test_the_prefix_caching_lab_reports_the_saving_and_requires_the_references():
+    lab = LABS["prefix_caching"]
+    note = " ".join(lab.grade(lab.reference).notes)
+    saved, total, reference = map(int, re.search(r"saves (\d+) of (\d+) prefill tokens \(the reference saves (\d+)\)",
+                                                 note).groups())
+    assert saved == reference and 0 < saved < total
+    # Registering at allocation "saves" more -- by hitting blocks whose K/V do not exist yet.
+    report = lab.grade(lab.mutants["hashes registered at allocation"])
+    assert any(f.startswith("prefill tokens saved") for f in report.failures)
+
+
+# ------------------------------------------------------------------ private members, display, CLI
+
+def test_every_private_member_the_labs_name_is_listed_in_hooks_and_exists():
+    for (owner, member), where in PRIVATE_MEMBERS.items():
+        assert hasattr(resolve(owner) if ":" in owner else importlib.import_module(owner), member), \
+            f"{owner}.{member} (used by {where}) no longer exists: adapt course_pkg/labs/hooks.py and its users"
+    listed = {member for _, member in PRIVATE_MEMBERS}
+    package_privates = set()
+    for owner in ("course_pkg.block_manager:BlockManager", "course_pkg.scheduler:Scheduler",
+                  "course_pkg.block:Block", "course_pkg.sequence:Sequence"):
+        package_privates |= {m for m in dir(resolve(owner)) if m.startswith("_") and not m.startswith("__")}
+    package_privates |= {m for m in vars(importlib.import_module("course_pkg.kernels.triton_kernels"))
+                         if m.startswith("_") and not m.startswith("__")}
+    for path in (ROOT / "course_pkg" / "labs").rglob("*.py"):
+        used = set(re.findall(r"\b(_[a-z][a-z0-9_]*)\b", path.read_text())) & package_privates
+        assert used <= listed, f"{path.name} names private members not listed in hooks.py: {sorted(used - listed)}"
+
+
+def test_stub_and_solution_display():
+    code = show_stub("append")
+    assert "def can_append" in code.data and "..." in code.data
+    solution = show_solution("append")
+    assert isinstance(solution, Solution)
+    assert repr(solution) == "\n".join(source_of(o) for o in LABS["append"].solution).rstrip()
+    assert "<details>" in solution._repr_html_() and "can_append" in solution._repr_html_()
+    assert "def student_paged_decode_kernel" in show_stub("paged_attention").data
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "course_pkg.labs", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+
+
+def test_cli_lists_every_lab_and_grades_a_file(tmp_path):
+    listing = _cli("list")
+    assert listing.returncode == 0, listing.stderr
+    for lab in LABS.values():
+        assert re.search(rf"^{lab.name}\s+chapter {lab.chapter:02d}", listing.stdout, re.M), lab.name
+    good = tmp_path / "good.py"
+    good.write_text(textwrap.dedent("""
+        def student_internal_fragmentation(num_tokens, block_size):
+            return sum(-n % block_size for n in num_tokens)
+    """))
+    bad = tmp_path / "bad.py"
+    bad.write_text("def frag(num_tokens, block_size):\n    return 0\n")
+    passed = _cli("fragmentation", str(good))
+    assert passed.returncode == 0 and "lab fragmentation: PASSED" in passed.stdout, passed.stdout + passed.stderr
+    failed = _cli("fragmentation", str(bad), "--name", "frag")
+    assert failed.returncode == 1 and "one token in a block of 16: internal_fragmentation([1], 16)" in failed.stdout
+    missing = _cli("fragmentation", str(bad))
+    assert missing.returncode != 0 and "defines no 'student_internal_fragmentation'" in missing.stderr
+    unknown = _cli("no_such_lab", str(good))
+    assert unknown.returncode == 2 and "no lab named" in unknown.stderr
+
+
+def test_misuse_of_the_registry_is_named():
+    with pytest.raises(KeyError, match="no lab named 'nope'"):
+        show_stub("nope")
+    with pytest.raises(KeyError, match="the labs are: block_reset"):
+        show_solution("nope")
