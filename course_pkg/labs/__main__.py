@@ -22,7 +22,7 @@ def _list() -> int:
     for lab in LABS.values():
         stub = lab.stub_path.rpartition(":")[2]
         print(f"{lab.name:<18} chapter {lab.chapter:02d}  {lab.title}")
-        print(f"{'':<18} write: {lab.task} (start from {stub})")
+        print(f"{'':<18} write: {lab.task.replace('`', '')} (start from {stub})")
         print(textwrap.fill(f"checks: {lab.checks}", width=100, initial_indent=" " * 19,
                             subsequent_indent=" " * 27))
     return 0

@@ -118,7 +118,7 @@ class Lab:
     grader_path: str                         # function(impl, Grading) -> None
     mutant_paths: dict[str, str] = field(default_factory=dict)
     solution_paths: tuple[str, ...] = ()     # the package code shown as the solution
-    task: str = ""                           # what to write, for the notebook and the CLI
+    task: str = ""                           # what the student writes (markdown)
 
     @property
     def reference(self):

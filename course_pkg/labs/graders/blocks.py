@@ -49,7 +49,7 @@ def grade_logical_blocks(seq_cls, g: Grading) -> None:
     cases = [((1, 1), (1, 1)), ((5, 1), (5, 1)), ((1, 16), (1, 1)), ((16, 16), (1, 16)),
              ((17, 16), (2, 1)), ((14, 7), (2, 7)), ((15, 7), (3, 1)), ((13, 7), (2, 6))]
     for (n, bs), (num_blocks, last) in cases:
-        with g.scenario(f"{n} tokens, block size {bs}"):
+        with g.scenario(f"{n} token{'s' if n != 1 else ''}, block size {bs}"):
             seq = seq_cls(list(range(100, 100 + n)), block_size=bs)
             g.equal(seq.num_blocks, num_blocks, "num_blocks")
             g.equal(seq.last_block_num_tokens, last, "last_block_num_tokens")
