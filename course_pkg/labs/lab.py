@@ -12,6 +12,8 @@ adding a lab is one entry in ``course_pkg.labs.registry``.
 from __future__ import annotations
 
 import importlib
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,13 +33,26 @@ class ScenarioFailed(Exception):
     """Raised by ``Grading.fail``: stops the current scenario (later steps would only repeat it)."""
 
 
+#: Seconds a scenario may run before it is stopped as a failure (a student's endless loop).
+SCENARIO_TIME_LIMIT = 30
+
+
+class ScenarioTimeout(Exception):
+    """A scenario ran past ``SCENARIO_TIME_LIMIT`` (raised by an alarm, Unix main thread only)."""
+
+
+def _on_alarm(signum, frame):
+    raise ScenarioTimeout(f"still running after {SCENARIO_TIME_LIMIT} s (an endless loop?)")
+
+
 class Grading:
     """Collects a grader's failures, one scenario at a time.
 
     A grader runs each scenario inside ``with g.scenario("name"):``. The first failed check
     ends that scenario and is recorded as ``"name: what differed"``; an exception raised by the
-    student's code is recorded the same way. The other scenarios still run, so the report
-    lists everything that is wrong, not only the first thing.
+    student's code is recorded the same way, and so is a scenario that runs past
+    ``SCENARIO_TIME_LIMIT`` seconds (where an alarm signal can be used). The other scenarios
+    still run, so the report lists everything that is wrong, not only the first thing.
     """
 
     def __init__(self):
@@ -50,6 +65,10 @@ class Grading:
     def scenario(self, name: str) -> Iterator[None]:
         self.scenarios.append(name)
         self._current = name
+        alarm = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+        if alarm:
+            previous = signal.signal(signal.SIGALRM, _on_alarm)
+            signal.setitimer(signal.ITIMER_REAL, SCENARIO_TIME_LIMIT)
         try:
             yield
         except ScenarioFailed:
@@ -57,6 +76,9 @@ class Grading:
         except Exception as e:  # the code under test crashed: that is a failure of this scenario
             self.failures.append(f"{name}: raised {type(e).__name__}: {e}")
         finally:
+            if alarm:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
             self._current = None
 
     def fail(self, what: str):

@@ -14,6 +14,7 @@ sequence's ``block_table`` and ``num_cached_tokens``.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from itertools import islice
 from typing import Callable
 
 from course_pkg.block_manager import BlockManager
@@ -21,10 +22,15 @@ from course_pkg.labs.lab import Grading
 from course_pkg.sequence import Sequence
 
 
+def bounded(items, limit: int) -> tuple:
+    """At most ``limit`` items of ``items``: a corrupt linked queue may iterate forever."""
+    return tuple(islice(iter(items), limit))
+
+
 def manager_state(bm: BlockManager, seqs: dict[str, Sequence]) -> dict[str, object]:
     """The observable state, by value, as named fields (compared in this order)."""
     state: dict[str, object] = {
-        "free queue (head first)": tuple(bm.free_block_ids),
+        "free queue (head first)": bounded(bm.free_block_ids, len(bm.blocks) + 1),
         "used blocks": tuple(sorted(bm.used_block_ids)),
         "ref counts": tuple(b.ref_count for b in bm.blocks),
         "hash index (block ids)": tuple(sorted(bm.hash_to_block_id.values())),
@@ -42,7 +48,7 @@ def invariant_violations(bm: BlockManager, live: list[Sequence]) -> list[str]:
     """The contract's invariants that ``bm`` breaks (empty when all hold)."""
     problems = []
     n = len(bm.blocks)
-    free = list(bm.free_block_ids)
+    free = list(bounded(bm.free_block_ids, n + 1))
     free_set = set(free)
     if len(free) != len(free_set):
         problems.append("a block is in the free queue twice")

@@ -9,8 +9,8 @@ from __future__ import annotations
 from course_pkg.block_manager import BlockManager
 from course_pkg.labs.lab import Grading
 from course_pkg.labs.lockstep import Lockstep
-from course_pkg.scheduler import Scheduler
-from course_pkg.workloads import WorkloadRun, shared_prefix_workload
+from course_pkg.labs.graders.serving import serve
+from course_pkg.workloads import shared_prefix_workload
 
 
 def _decode(lock: Lockstep, name: str, tokens) -> None:
@@ -169,10 +169,7 @@ def grade_release_order(impl, g: Grading) -> None:
                                           output_len=(2, 8), seed=3)
         rates = {}
         for label, cls in (("reference", BlockManager), ("yours", impl)):
-            bm = cls(40, 8)
-            run = WorkloadRun(requests, Scheduler(40, 8, block_manager=bm, max_num_seqs=4,
-                                                  max_num_batched_tokens=256))
-            rates[label] = run.run().prefix_cache_hit_rate
+            rates[label] = serve(cls(40, 8), requests, max_num_batched_tokens=256).prefix_cache_hit_rate
         g.note(f"prefix-cache hit rate with your release order: {rates['yours']:.3f} "
                f"(reference: {rates['reference']:.3f})")
         g.equal(round(rates["yours"], 6), round(rates["reference"], 6),

@@ -10,14 +10,8 @@ from __future__ import annotations
 from course_pkg.block_manager import BlockManager
 from course_pkg.labs.lab import Grading
 from course_pkg.labs.lockstep import Lockstep
-from course_pkg.scheduler import Scheduler
-from course_pkg.workloads import WorkloadRun, multi_turn_workload, shared_prefix_workload
-
-
-def _serve(bm: BlockManager, requests, max_num_seqs: int = 4):
-    scheduler = Scheduler(bm.num_blocks, bm.block_size, block_manager=bm, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=512)
-    return WorkloadRun(requests, scheduler).run()
+from course_pkg.labs.graders.serving import serve as _serve
+from course_pkg.workloads import multi_turn_workload, shared_prefix_workload
 
 
 def grade_prefix_caching(impl, g: Grading) -> None:
