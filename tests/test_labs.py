@@ -7,6 +7,7 @@ checked here, with solutions written in this file independently of the package.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import re
 import subprocess
 import sys
@@ -254,3 +255,55 @@ def test_misuse_of_the_registry_is_named():
         show_stub("nope")
     with pytest.raises(KeyError, match="the labs are: block_reset"):
         show_solution("nope")
+
+
+# ------------------------------------------------------------------ tools/add_lab_sections.py
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("add_lab_sections", ROOT / "tools" / "add_lab_sections.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_add_lab_sections_inserts_before_the_summary_touches_nothing_else_and_is_idempotent(tmp_path):
+    import nbformat
+
+    tool = _load_tool()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# 02 · Title"), nbformat.v4.new_code_cell("x = 1"),
+                nbformat.v4.new_markdown_cell("## Summary and what comes next\n\ntext"),
+                nbformat.v4.new_markdown_cell("## References")]
+    nb.cells[1].outputs = [nbformat.v4.new_output("stream", text="kept\n")]
+    path = tmp_path / "02_block_manager.ipynb"
+    nbformat.write(nb, path)
+    assert tool.update(path) is True
+    cells = nbformat.read(path, as_version=4).cells
+    tagged = [i for i, c in enumerate(cells) if "lab" in c.metadata.get("tags", [])]
+    assert tagged == list(range(2, 2 + len(tagged))) and cells[tagged[-1] + 1].source.startswith("## Summary")
+    assert cells[1].outputs[0]["text"] == "kept\n" and cells[-1].source == "## References"
+    sources = "\n".join(cells[i].source for i in tagged)
+    for lab in labs_of_chapter(2):
+        assert f'grade("{lab.name}", ' in sources and f'show_solution("{lab.name}")' in sources
+    before = path.read_text()
+    assert tool.update(path) is False and path.read_text() == before      # up to date: untouched
+    # A stale section (a lab's text changed) is replaced, wherever it was.
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[tagged[1]].source = "### an old title"
+    nb.cells.append(nb.cells.pop(tagged[0]))
+    nbformat.write(nb, path)
+    assert tool.update(path) is True and path.read_text() == before
+
+
+def test_add_lab_sections_refuses_a_notebook_without_a_summary(tmp_path):
+    import nbformat
+
+    tool = _load_tool()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# 03 · Title")]
+    path = tmp_path / "03_x.ipynb"
+    nbformat.write(nb, path)
+    before = path.read_text()
+    with pytest.raises(SystemExit, match="no markdown cell with a 'Summary' heading"):
+        tool.update(path)
+    assert path.read_text() == before
