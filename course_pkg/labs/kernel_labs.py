@@ -21,6 +21,9 @@ from course_pkg.labs.lab import Grading
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+#: Where the graders put their tensors: the CPU under the interpreter, else the GPU.
+DEVICE = "cpu" if triton_kernels.INTERPRET else "cuda"
+
 
 # ---------------------------------------------------------------- the stubs
 
@@ -114,11 +117,12 @@ def grade_store_kvcache(impl, g: Grading) -> None:
     for name, bs, num_blocks, pad, dtype, slots in cases:
         with g.scenario(name):
             kv_heads, head_dim = 2, 16
-            storage = torch.full((2, num_blocks, bs + pad, kv_heads, head_dim), SENTINEL, dtype=dtype)
+            storage = torch.full((2, num_blocks, bs + pad, kv_heads, head_dim), SENTINEL, dtype=dtype,
+                                 device=DEVICE)
             k_cache, v_cache = storage[0, :, :bs], storage[1, :, :bs]
-            key = torch.randn(len(slots), kv_heads, head_dim, generator=gen).to(dtype)
-            value = torch.randn(len(slots), kv_heads, head_dim, generator=gen).to(dtype)
-            slot_mapping = torch.tensor(slots, dtype=torch.int64)
+            key = torch.randn(len(slots), kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+            value = torch.randn(len(slots), kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+            slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
             expected = storage.clone()            # by hand: token t's rows at (slot // bs, slot % bs)
             for t, slot in enumerate(slots):
                 if slot >= 0:
@@ -154,17 +158,18 @@ def _attention_case(gen, *, block_size, context_lens, num_kv_heads, group, head_
         kv = torch.randn(2, ctx, num_kv_heads, head_dim, generator=gen)
         store_kvcache_ref(kv[0], kv[1], k_cache, v_cache, slots)
     q = torch.randn(len(context_lens), num_kv_heads * group, head_dim, generator=gen) * q_scale
-    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables,
+    case = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables,
                 context_lens=torch.tensor(context_lens, dtype=torch.int32),
-                cu_seqlens_q=torch.arange(len(context_lens) + 1, dtype=torch.int32),
-                scale=head_dim ** -0.5)
+                cu_seqlens_q=torch.arange(len(context_lens) + 1, dtype=torch.int32))
+    return {**{k: v.to(DEVICE) for k, v in case.items()}, "scale": head_dim ** -0.5}
 
 
 def _compare_attention(g: Grading, out: torch.Tensor, case: dict, tolerance: float = 1e-4) -> None:
-    wide = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in case.items()}
-    expected = paged_attention_ref(**wide)
+    wide = {k: (v.cpu().double() if v.is_floating_point() else v.cpu()) if torch.is_tensor(v) else v
+            for k, v in case.items()}
+    expected = paged_attention_ref(**wide)                        # float64, on the CPU
     g.equal(tuple(out.shape), tuple(expected.shape), "output shape")
-    error = (out.double() - expected).abs().amax(dim=-1)          # [num_seqs, num_heads]
+    error = (out.cpu().double() - expected).abs().amax(dim=-1)    # [num_seqs, num_heads]
     error = torch.where(torch.isnan(error), torch.full_like(error, float("inf")), error)
     seq, head = divmod(int(error.argmax()), error.shape[1])
     worst = float(error[seq, head])
@@ -196,7 +201,7 @@ def grade_paged_attention(impl, g: Grading) -> None:
             block = int(case["block_tables"][s, 0])
             for h in range(4):
                 value = case["v_cache"][block, 0, h // 2]          # by hand: softmax over one score is 1
-                g.check(torch.allclose(out[s, h], value, atol=1e-6),
+                g.check(torch.allclose(out[s, h].cpu(), value.cpu(), atol=1e-6),
                         f"output of sequence {s}, head {h} is not the value of its one token (KV head {h // 2})")
 
 
