@@ -15,7 +15,6 @@ from collections import deque
 
 from course_pkg.block import Block
 from course_pkg.block_manager import BlockManager, NoFreeBlocksError
-from course_pkg.foils import ForwardReleaseBlockManager, UnguardedBlockManager  # noqa: F401 (registered mutants)
 from course_pkg.scheduler import Scheduler
 from course_pkg.sequence import Sequence, SequenceStatus
 

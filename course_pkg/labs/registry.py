@@ -101,7 +101,8 @@ _LABS = [
         task="a paged decode-attention kernel, one Triton program per (sequence, query head)"),
     Lab("scheduler", "The Scheduler: schedule and preempt", 6,
         "lockstep with the package's Scheduler (batches, token counts, preemptions, queues, block tables) "
-        "and hand-computed steps: prefill priority, chunking, the newest preempted first, max_num_seqs, hits",
+        "and hand-computed steps: prefill priority, chunking, the newest preempted first, max_num_seqs, hits; "
+        "the real engine with your scheduler gives Hugging Face's greedy tokens",
         "course_pkg.scheduler:Scheduler", f"{_S}:StudentScheduler", f"{_G}.scheduler:grade_scheduler",
         {"preempts the oldest": f"{_M}:PreemptOldestScheduler",
          "preempted to the back of the line": f"{_M}:PreemptToTailScheduler",

@@ -8,9 +8,15 @@ on who was preempted, on the order of ``waiting`` and ``running``, and on every 
 after every ``postprocess`` on who finished. Hand-computed expectations from the chapter's
 rules (prefill first, chunking within the token budget, the most recently admitted sequence
 preempted first, back at the head of ``waiting``) are checked at the steps where they apply.
+
+One scenario runs the real engine with the tiny model shipped with the package, the student's
+scheduler swapped in, and compares the generated tokens with Hugging Face ``generate``
+(greedy): whatever the scheduler decides, the tokens must be the model's.
 """
 from __future__ import annotations
 
+import functools
+import random
 from collections.abc import Callable
 
 from course_pkg.labs.lab import Grading
@@ -101,6 +107,69 @@ def _all(*hooks):
     return check
 
 
+ENGINE = dict(block_size=4, num_kvcache_blocks=12, max_num_seqs=4, max_num_batched_tokens=16)
+MAX_TOKENS = 8
+
+
+@functools.cache
+def _tiny_engine_and_prompts():
+    """The engine over the tiny model (CPU, float32), built once per process, and the prompts:
+    four random ones and one sharing the first's two leading blocks."""
+    import torch
+
+    from course_pkg.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(None, device="cpu", dtype=torch.float32, attention_backend="torch", **ENGINE)
+    rng = random.Random(0)
+    vocab = engine.config.vocab_size
+    prompts = [[rng.randrange(1, vocab) for _ in range(n)] for n in (9, 14, 5, 11)]
+    prompts.append(prompts[0][:8] + [rng.randrange(1, vocab) for _ in range(3)])
+    return engine, tuple(map(tuple, prompts))
+
+
+@functools.cache
+def _hf_greedy_tokens() -> tuple[tuple[int, ...], ...]:
+    """Hugging Face's greedy tokens for the prompts (EOS ignored, as the requests ignore it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from course_pkg.models import default_model_path
+
+    _, prompts = _tiny_engine_and_prompts()
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(str(default_model_path()), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    tokens = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=MAX_TOKENS, pad_token_id=0)
+        tokens.append(tuple(out[0, len(prompt):].tolist()))
+    return tuple(tokens)
+
+
+def _generate_with(impl, g: Grading, max_steps: int = 500) -> list[tuple[int, ...]]:
+    from course_pkg.sampling_params import SamplingParams
+
+    engine, prompts = _tiny_engine_and_prompts()
+    engine.scheduler = impl(ENGINE["num_kvcache_blocks"], ENGINE["block_size"], max_num_seqs=ENGINE["max_num_seqs"],
+                            max_num_batched_tokens=ENGINE["max_num_batched_tokens"],
+                            max_model_len=engine.max_model_len, eos_token_id=sorted(engine.scheduler.eos_token_ids))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ids = [engine.add_request(list(p), params) for p in prompts]
+    outputs = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            outputs[out.request_id] = tuple(out.token_ids)
+    else:
+        g.fail(f"the engine has not finished after {max_steps} steps")
+    return [outputs.get(i, ()) for i in ids]
+
+
 def grade_scheduler(impl, g: Grading) -> None:
     with g.scenario("continuous batching: a request joins while others decode"):
         requests = {"A": (range(1, 6), (101, 102, 103, 104), 0), "B": (range(11, 14), (111, 112, 113, 114), 0),
@@ -141,3 +210,8 @@ def grade_scheduler(impl, g: Grading) -> None:
         workload = random_workload(16, prompt_len=(3, 18), output_len=(2, 10), seed=4)
         requests = {f"R{i}": (r.prompt_token_ids, r.output_token_ids, i // 2) for i, r in enumerate(workload)}
         _drive(g, impl, requests, num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    with g.scenario("a real generation (the tiny model, 12 blocks of 4): Hugging Face's greedy tokens"):
+        expected = _hf_greedy_tokens()
+        got = _generate_with(impl, g)
+        for i, (mine, want) in enumerate(zip(got, expected)):
+            g.equal(mine, want, f"tokens of request {i} (prompt of {len(_tiny_engine_and_prompts()[1][i])} tokens)")
