@@ -186,3 +186,44 @@ class Lockstep:
 def _short(value, limit: int = 160) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def random_trace(lock: Lockstep, seed: int, steps: int, *, decode: bool = True) -> None:
+    """``steps`` seeded random legal calls on both managers, compared after each one.
+
+    Prompts share a random part of one "system prompt" and end in tokens drawn from a tiny
+    vocabulary (so whole blocks repeat after different prefixes); admitted prompts are computed
+    at once; running sequences decode (or, without a free block, are released as a scheduler
+    would preempt them); some finish and are released. Decisions follow the managers' answers,
+    which the lockstep has already checked to be equal.
+    """
+    import random
+
+    rng = random.Random(seed)
+    bs = lock.block_size
+    system = [rng.randrange(1, 1000) for _ in range(3 * bs)]
+    live: list[str] = []
+    for n in range(steps):
+        r = rng.random()
+        if r < 0.3 or not live:
+            name = f"S{n}"
+            tokens = system[:rng.randrange(0, len(system) + 1)]
+            tokens += [rng.randrange(1000, 1003) for _ in range(rng.randrange(1, 2 * bs + 1))]
+            lock.seq(name, tokens)
+            hits = lock.call("can_allocate", name)
+            if hits >= 0:
+                lock.call("allocate", name, rng.randrange(0, hits + 1) if rng.random() < 0.2 else hits)
+                lock.computed(name)
+                live.append(name)
+        elif r < 0.85 and decode:
+            name = rng.choice(live)
+            lock.append_token(name, rng.randrange(1000, 1003))
+            if lock.call("can_append", name):
+                lock.call("may_append", name)
+                lock.computed(name)
+            else:
+                lock.call("deallocate", name)
+                live.remove(name)
+        else:
+            name = live.pop(rng.randrange(len(live)))
+            lock.call("deallocate", name)

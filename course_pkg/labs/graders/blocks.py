@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from course_pkg.block_manager import BlockManager
 from course_pkg.labs.lab import Grading
-from course_pkg.labs.lockstep import Lockstep
+from course_pkg.labs.lockstep import Lockstep, random_trace
 
 
 def _manager_with_blocks(block_cls):
@@ -42,6 +42,8 @@ def grade_block_reset(block_cls, g: Grading) -> None:
             lock.append_token("B", token)
             lock.call("may_append", "B")
         lock.expect("block table of B", (2, 1, 0), "the free queue's head after B's two blocks")
+    with g.scenario("200 random calls in lockstep (seed 11, block size 2, pool 8)"):
+        random_trace(Lockstep(g, _manager_with_blocks(block_cls), 8, 2), 11, 200)
 
 
 def grade_logical_blocks(seq_cls, g: Grading) -> None:

@@ -14,7 +14,7 @@ from collections import deque
 
 from course_pkg.block_manager import BlockManager
 from course_pkg.labs.lab import Grading
-from course_pkg.labs.lockstep import Lockstep, bounded
+from course_pkg.labs.lockstep import Lockstep, bounded, random_trace
 
 MAX_REMOVE_RATIO = 2.0
 SIZES = (1_000, 100_000)
@@ -125,6 +125,8 @@ def grade_free_queue(queue_cls, g: Grading) -> None:
         lock.call("allocate", "D", 0)
         lock.call("deallocate", "C")
         lock.call("deallocate", "D")
+    with g.scenario("as a BlockManager's free queue: 300 random calls in lockstep (seed 12, block size 2, pool 10)"):
+        random_trace(Lockstep(g, _with_queue(queue_cls), 10, 2), 12, 300)
     if not g.passed_so_far:
         g.note("remove's cost is measured once the queue behaves like a deque")
         return

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from course_pkg.block_manager import BlockManager
 from course_pkg.labs.lab import Grading
-from course_pkg.labs.lockstep import Lockstep
+from course_pkg.labs.lockstep import Lockstep, random_trace
 from course_pkg.labs.graders.serving import serve
 from course_pkg.workloads import shared_prefix_workload
 
@@ -70,6 +70,9 @@ def grade_append(impl, g: Grading) -> None:
         # New blocks at B's 4th, A's 7th, B's 7th and A's 10th token: 3, 4, 5, 6.
         lock.expect("block table of A", (0, 1, 4, 6), "A's 11 tokens: 0, 1, then 4 (7th token) and 6 (10th)")
         lock.expect("block table of B", (2, 3, 5), "B's 9 tokens: 2, then 3 (4th token) and 5 (7th)")
+    for seed, bs in ((1, 1), (2, 7)):
+        with g.scenario(f"200 random calls in lockstep (seed {seed}, block size {bs}, pool 12)"):
+            random_trace(Lockstep(g, impl, 12, bs), seed, 200)
 
 
 def grade_allocate(impl, g: Grading) -> None:
@@ -127,6 +130,10 @@ def grade_allocate(impl, g: Grading) -> None:
         lock.call("allocate", "D", 1)                       # fewer hits than available: allowed
         lock.call("deallocate", "C")
         lock.call("deallocate", "D")
+    for seed, bs, caching in ((3, 3, True), (4, 1, False)):
+        with g.scenario(f"200 random calls in lockstep (seed {seed}, block size {bs}, pool 10, "
+                        f"prefix caching {'on' if caching else 'off'})"):
+            random_trace(Lockstep(g, impl, 10, bs, enable_prefix_caching=caching), seed, 200)
 
 
 def grade_release_order(impl, g: Grading) -> None:
@@ -164,6 +171,8 @@ def grade_release_order(impl, g: Grading) -> None:
         lock.expect("free queue (head first)", (4, 5, 2), "only A's own last block is freed")
         lock.call("deallocate", "B")
         lock.expect("free queue (head first)", (4, 5, 2, 3, 1, 0), "B's own block, then the shared ones, last first")
+    with g.scenario("200 random calls in lockstep (seed 5, block size 2, pool 10)"):
+        random_trace(Lockstep(g, impl, 10, 2), 5, 200)
     with g.scenario("hit rate under memory pressure (shared prompts, the real Scheduler)"):
         requests = shared_prefix_workload(60, num_prefixes=4, prefix_len=48, suffix_len=(4, 12),
                                           output_len=(2, 8), seed=3)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from course_pkg.block_manager import BlockManager
 from course_pkg.labs.lab import Grading
-from course_pkg.labs.lockstep import Lockstep
+from course_pkg.labs.lockstep import Lockstep, random_trace
 from course_pkg.labs.graders.serving import serve as _serve
 from course_pkg.workloads import multi_turn_workload, shared_prefix_workload
 
@@ -97,6 +97,13 @@ def grade_prefix_caching(impl, g: Grading) -> None:
         lock.seq("B", [1, 2, 3, 4, 5, 6, 7, 8])         # the next turn: history + a new message
         g.equal(lock.call("can_allocate", "B"), 3, "can_allocate(B): the previous turn's 3 blocks")
         lock.call("allocate", "B", 3)
+    for seed, bs in ((6, 1), (7, 7)):
+        with g.scenario(f"200 random calls in lockstep (seed {seed}, block size {bs}, pool 12)"):
+            random_trace(Lockstep(g, impl, 12, bs), seed, 200)
+    with g.scenario("200 random calls with a weak hash: many collisions (seed 8, block size 2, pool 12)"):
+        lock = Lockstep(g, impl, 12, 2)
+        with lock.patched_hash(lambda token_ids, prefix=-1: (sum(token_ids) + max(prefix, 0)) % 5):
+            random_trace(lock, 8, 200)
     with g.scenario("prefill tokens saved on a shared system prompt (24 requests, the real Scheduler)"):
         requests = shared_prefix_workload(24, num_prefixes=1, prefix_len=64, suffix_len=(4, 12),
                                           output_len=(2, 6), seed=1)
@@ -145,6 +152,9 @@ def grade_stale_entry_guard(impl, g: Grading) -> None:
         lock.seq("C", [1, 2, 3, 4, 6])
         g.equal(lock.call("can_allocate", "C"), 2, f"can_allocate(C): {holder}'s two blocks are cached")
         lock.call("allocate", "C", 2)
+    for seed, bs in ((9, 2), (10, 1)):
+        with g.scenario(f"200 random calls in lockstep (seed {seed}, block size {bs}, pool 8)"):
+            random_trace(Lockstep(g, impl, 8, bs), seed, 200)
     with g.scenario("multi-turn chats under memory pressure: the same hits (the real Scheduler)"):
         requests = multi_turn_workload(6, 3, system_len=16, user_len=(4, 10), output_len=(4, 10), seed=2)
         ref, mine = _serve(BlockManager(24, 4), requests), _serve(impl(24, 4), requests)
