@@ -135,10 +135,81 @@ class MinusOneRuleBlockManager(BlockManager):
             seq.block_table.append(self._allocate_block().block_id)
 
 
+class ScratchAllocateBlockManager(BlockManager):
+    """allocate and deallocate written from the chapter's contract, not from the package's code."""
+
+    def allocate(self, seq, num_cached_blocks=0):
+        if seq.block_table:
+            raise ValueError("the sequence already has blocks")
+        hits, hashes = self._match_prefix(seq)
+        if not 0 <= num_cached_blocks <= len(hits):
+            raise ValueError("more cached blocks than the cache holds")
+        hits = hits[:num_cached_blocks]
+        revived = [b for b in hits if self.blocks[b].ref_count == 0]
+        if seq.num_blocks - len(hits) + len(revived) > len(self.free_block_ids):
+            raise NoFreeBlocksError("too few free blocks")
+        for b in hits:
+            if b in revived:
+                self.free_block_ids.remove(b)
+                self.used_block_ids.add(b)
+            self.blocks[b].ref_count += 1
+            seq.block_table.append(b)
+        while len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self._allocate_block().block_id)
+        seq.block_hashes = hashes[:num_cached_blocks]
+        seq.num_cached_tokens = num_cached_blocks * self.block_size
+        self.prefix_cache_stats.record(seq.num_tokens, seq.num_cached_tokens)
+
+    def deallocate(self, seq):
+        if not seq.block_table:
+            raise ValueError("the sequence holds no blocks")
+        for b in seq.block_table[::-1]:
+            block = self.blocks[b]
+            block.ref_count -= 1
+            if not block.ref_count:
+                self.used_block_ids.discard(b)
+                self.free_block_ids.append(b)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_cached_tokens = 0
+
+
+class ScratchPrefixBlockManager(BlockManager):
+    """The lookup and the registration written as one loop each, with the package's exact-prefix helpers."""
+
+    def _match_prefix(self, seq):
+        ids, hashes, h, parent = [], [], -1, -1
+        if not self.enable_prefix_caching:
+            return ids, hashes
+        for i in range((len(seq) - 1) // self.block_size):
+            tokens = seq.block(i)
+            h = self.compute_hash(tokens, h)
+            b = self.hash_to_block_id.get(h)
+            if b is None or not self._confirms_hit(self.blocks[b], tokens, parent):
+                break
+            ids.append(b)
+            hashes.append(h)
+            parent = self.blocks[b].prefix_id
+        return ids, hashes
+
+    def hash_blocks(self, seq):
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_cached_tokens // self.block_size, len(seq.block_table))
+        while len(seq.block_hashes) < full:
+            i = len(seq.block_hashes)
+            tokens = seq.block(i)
+            h = self.compute_hash(tokens, seq.block_hashes[-1] if i else -1)
+            parent = self.blocks[seq.block_table[i - 1]].prefix_id if i else -1
+            block = self.blocks[seq.block_table[i]]
+            block.update(h, tokens, self._prefix_id_for(parent, tokens), parent)
+            self.hash_to_block_id[h] = block.block_id
+            seq.block_hashes.append(h)
+
+
 class SimpleBlock(Block):
     def reset(self):
-        self.token_ids = []
-        self.hash = -1
+        Block.__init__(self, self.block_id)   # empty, unregistered, whatever fields Block has
         self.ref_count = 1
 
 
@@ -164,6 +235,10 @@ def _kernel_lab(attr):
 @pytest.mark.parametrize(("name", "solution"), [
     ("free_queue", lambda: DictFreeBlockQueue),
     ("append", lambda: MinusOneRuleBlockManager),
+    ("allocate", lambda: ScratchAllocateBlockManager),
+    ("release_order", lambda: type("ScratchRelease", (BlockManager,),
+                                   {"deallocate": ScratchAllocateBlockManager.deallocate})),
+    ("prefix_caching", lambda: ScratchPrefixBlockManager),
     ("block_reset", lambda: SimpleBlock),
     ("logical_blocks", lambda: ArithmeticSequence),
     ("kv_block_bytes", lambda: lambda bs, layers, heads, dim, nbytes: bs * layers * heads * dim * nbytes * 2),
@@ -199,13 +274,18 @@ def test_the_prefix_caching_lab_reports_the_saving_and_requires_the_references()
 
 def test_every_private_member_the_labs_name_is_listed_in_hooks_and_exists():
     for (owner, member), where in PRIVATE_MEMBERS.items():
-        assert hasattr(resolve(owner) if ":" in owner else importlib.import_module(owner), member), \
+        obj = resolve(owner) if ":" in owner else importlib.import_module(owner)
+        if obj is BlockManager:
+            obj = BlockManager(1, 1)                          # instance attributes count
+        assert hasattr(obj, member), \
             f"{owner}.{member} (used by {where}) no longer exists: adapt course_pkg/labs/hooks.py and its users"
     listed = {member for _, member in PRIVATE_MEMBERS}
     package_privates = set()
     for owner in ("course_pkg.block_manager:BlockManager", "course_pkg.scheduler:Scheduler",
                   "course_pkg.block:Block", "course_pkg.sequence:Sequence"):
         package_privates |= {m for m in dir(resolve(owner)) if m.startswith("_") and not m.startswith("__")}
+    for instance in (BlockManager(1, 1), Sequence([1])):      # attributes set in __init__ too
+        package_privates |= {m for m in vars(instance) if m.startswith("_") and not m.startswith("__")}
     package_privates |= {m for m in vars(importlib.import_module("course_pkg.kernels.triton_kernels"))
                          if m.startswith("_") and not m.startswith("__")}
     for path in (ROOT / "course_pkg" / "labs").rglob("*.py"):

@@ -5,9 +5,9 @@ Nano-vLLM fixed -- with everything else left as the package has it, so a grader 
 mutant has a blind spot exactly there. ``tests/test_labs.py`` checks that every one is rejected.
 The kernel mutants live in ``course_pkg.labs.kernel_labs`` (they need Triton).
 
-The mutants of ``_match_prefix``, ``_maybe_evict_cached_block``, ``_schedule_decode`` and the
-direct uses of ``_allocate_block`` depend on private steps of the package; they are listed in
-``course_pkg.labs.hooks``.
+The mutants of ``_match_prefix``, ``_confirms_hit``, ``_maybe_evict_cached_block``,
+``_schedule_decode`` and the direct uses of ``_allocate_block`` depend on private steps of the
+package; they are listed in ``course_pkg.labs.hooks``.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from collections import deque
 from course_pkg.block import Block
 from course_pkg.block_manager import BlockManager, NoFreeBlocksError
 from course_pkg.scheduler import Scheduler
-from course_pkg.sequence import Sequence, SequenceStatus
+from course_pkg.sequence import Sequence
 
 
 # ---------------------------------------------------------------- chapter 01: Block.reset
@@ -229,32 +229,17 @@ class RegisterAtAllocationBlockManager(BlockManager):
 
     def allocate(self, seq: Sequence, num_cached_blocks: int = 0) -> None:
         super().allocate(seq, num_cached_blocks)
-        if not self.enable_prefix_caching:
-            return
-        h = seq.block_hashes[-1] if seq.block_hashes else -1
-        for i in range(len(seq.block_hashes), seq.num_tokens // self.block_size):
-            token_ids = seq.block(i)
-            h = self.compute_hash(token_ids, h)
-            self.blocks[seq.block_table[i]].update(h, token_ids)
-            self.hash_to_block_id[h] = seq.block_table[i]
-            seq.block_hashes.append(h)
+        computed = seq.num_cached_tokens
+        seq.num_cached_tokens = seq.num_tokens    # the bug: as if the K/V were there already
+        self.hash_blocks(seq)
+        seq.num_cached_tokens = computed
 
 
 class NoTokenCheckBlockManager(BlockManager):
     """Trusts the hash alone: a collision hands out a block holding other tokens."""
 
-    def _match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
-        block_ids, hashes, h = [], [], -1
-        if not self.enable_prefix_caching:
-            return block_ids, hashes
-        for i in range((seq.num_tokens - 1) // self.block_size):
-            h = self.compute_hash(seq.block(i), h)
-            block_id = self.hash_to_block_id.get(h, -1)
-            if block_id == -1:
-                break
-            block_ids.append(block_id)
-            hashes.append(h)
-        return block_ids, hashes
+    def _confirms_hit(self, block: Block, token_ids: list[int], parent_prefix_id: int) -> bool:
+        return True
 
 
 class LastBlockHitBlockManager(BlockManager):
@@ -262,17 +247,18 @@ class LastBlockHitBlockManager(BlockManager):
     token to compute, so there are no logits to sample the next token from."""
 
     def _match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
-        block_ids, hashes, h = [], [], -1
+        block_ids, hashes, h, parent_prefix_id = [], [], -1, -1
         if not self.enable_prefix_caching:
             return block_ids, hashes
-        for i in range(seq.num_tokens // self.block_size):
+        for i in range(seq.num_tokens // self.block_size):     # the bug: (num_tokens - 1) // block_size
             token_ids = seq.block(i)
             h = self.compute_hash(token_ids, h)
             block_id = self.hash_to_block_id.get(h, -1)
-            if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
+            if block_id == -1 or not self._confirms_hit(self.blocks[block_id], token_ids, parent_prefix_id):
                 break
             block_ids.append(block_id)
             hashes.append(h)
+            parent_prefix_id = self.blocks[block_id].prefix_id
         return block_ids, hashes
 
 
@@ -298,25 +284,25 @@ class UnconditionalEvictBlockManager(BlockManager):
 # ---------------------------------------------------------------- chapter 06: the scheduler
 
 class PreemptOldestScheduler(Scheduler):
-    """Preempts the *oldest* running sequence, the one closest to finishing, instead of the
-    most recently admitted one."""
+    """Preempts the *oldest* sequence not yet scheduled in this step -- the one closest to
+    finishing of those that wait for a token -- instead of the most recently admitted one."""
 
     def _schedule_decode(self) -> list[Sequence]:
         bm = self.block_manager
         scheduled: list[Sequence] = []
-        while self.running and len(scheduled) < self.max_num_batched_tokens:
-            seq = self.running.popleft()
+        i = 0
+        while i < len(self.running) and len(scheduled) < self.max_num_batched_tokens:
+            seq = self.running[i]
             while not bm.can_append(seq):
-                if self.running:
-                    self.preempt(self.running.popleft())   # the bug: the oldest gives way
-                else:
-                    self.preempt(seq)
+                victim = self.running[i + 1] if i + 1 < len(self.running) else seq   # the bug
+                self.preempt(victim)
+                if victim is seq:
                     break
             else:
-                bm.may_append(seq)
+                self.blocks_to_copy += bm.may_append(seq)
                 seq.num_scheduled_tokens = seq.num_tokens - seq.num_cached_tokens
                 scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
+                i += 1
         return scheduled
 
 
@@ -325,12 +311,9 @@ class PreemptToTailScheduler(Scheduler):
     request that arrived after it."""
 
     def preempt(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
-        seq.num_scheduled_tokens = 0
-        self.block_manager.deallocate(seq)
+        super().preempt(seq)
+        self.waiting.remove(seq)
         self.waiting.append(seq)
-        self.preempted.append(seq)
-        self.stats.num_preemptions += 1
 
 
 class DecodeFirstScheduler(Scheduler):

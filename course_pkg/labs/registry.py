@@ -59,15 +59,18 @@ _LABS = [
         ("course_pkg.free_block_queue:FreeBlockQueue",),
         task="a free block queue: `popleft`, `append`, `remove` in O(1), `len`, iteration"),
     Lab("prefix_caching", "Prefix matching and hash_blocks", 4,
-        "hits only on computed blocks; never the prompt's last block; chained hashes; forced collisions; "
+        "hits only on computed blocks; never the prompt's last block; chained hashes; forced collisions "
+        "(other tokens, or the same tokens after another prefix); "
         "block sizes 1 and 7; decoded blocks reused; gate: prefill tokens saved on a shared system prompt",
         "course_pkg.block_manager:BlockManager", f"{_S}:StudentPrefixBlockManager",
         f"{_G}.prefix:grade_prefix_caching",
         {"hashes registered at allocation": f"{_M}:RegisterAtAllocationBlockManager",
          "no token check on a hit": f"{_M}:NoTokenCheckBlockManager",
+         "tokens checked, not the parent (Nano-vLLM)": "course_pkg.foils:TokenCheckBlockManager",
          "the prompt's last block hit": f"{_M}:LastBlockHitBlockManager",
          "unchained hashes": f"{_M}:UnchainedHashBlockManager"},
         ("course_pkg.block_manager:compute_hash", "course_pkg.block_manager:BlockManager._match_prefix",
+         "course_pkg.block_manager:BlockManager._confirms_hit", "course_pkg.block_manager:BlockManager._prefix_id_for",
          "course_pkg.block_manager:BlockManager.hash_blocks"),
         task="`BlockManager._match_prefix` (the lookup behind `can_allocate`) and `hash_blocks`"),
     Lab("stale_entry_guard", "The stale-entry guard", 4,

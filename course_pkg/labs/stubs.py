@@ -6,8 +6,8 @@ Copy a stub into a notebook cell (or a file), replace each ``...`` with code, an
 the package, so a stub exercises exactly the method bodies its chapter teaches.
 
 The prefix-caching stubs override two private steps of ``BlockManager`` (``_match_prefix`` and
-``_maybe_evict_cached_block``): they are the seams the package itself is built around; see
-``course_pkg.labs.hooks``.
+``_maybe_evict_cached_block``) and point to two more (``_confirms_hit``, ``_prefix_id_for``): they
+are the seams the package itself is built around; see ``course_pkg.labs.hooks``.
 """
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ class StudentBlock(Block):
     def reset(self) -> None:
         """Called when the BlockManager hands this block to a sequence for new content.
 
-        Set ``ref_count``, ``hash`` and ``token_ids`` to what a block that one sequence now
-        holds, with no registered content, must have.
+        Set ``ref_count``, ``hash``, ``token_ids`` -- and every other field of the block's
+        content (see ``Block.__init__``) -- to what a block that one sequence now holds, with
+        no registered content, must have.
         """
         ...
 
@@ -61,9 +62,10 @@ class StudentAppendBlockManager(BlockManager):
         """
         ...
 
-    def may_append(self, seq: Sequence) -> None:
+    def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
         """Append a fresh block (``self._allocate_block()``) to ``seq.block_table`` if the newest
-        token starts a new block; raise (changing nothing) if none is free. Every block size >= 1."""
+        token starts a new block; raise (changing nothing) if none is free. Every block size >= 1.
+        Return ``[]``: the block copies copy-on-write asks for (chapter 08) -- none here."""
         ...
 
 
@@ -136,14 +138,17 @@ class StudentPrefixBlockManager(BlockManager):
         """The leading blocks of ``seq`` found in the cache: ``(block ids, their chained hashes)``.
 
         Walk the full blocks with ``self.compute_hash(token_ids, parent_hash)`` and
-        ``self.hash_to_block_id``; a hit counts only if it can be trusted.
+        ``self.hash_to_block_id``; a hit counts only if it can be trusted: the hash only finds
+        a candidate, ``self._confirms_hit(block, token_ids, parent_prefix_id)`` decides (the
+        parent's exact prefix id is the previous hit block's ``prefix_id``, -1 at the start).
         """
         ...
 
     def hash_blocks(self, seq: Sequence) -> None:
         """Register the blocks of ``seq`` that became full and computed since the last call
         (``seq.num_cached_tokens`` counts the computed tokens; ``seq.block_hashes`` the
-        blocks registered so far): ``block.update(hash, token_ids)`` and the index."""
+        blocks registered so far): ``block.update(hash, token_ids, prefix_id, parent_prefix_id)``
+        with ``prefix_id = self._prefix_id_for(parent_prefix_id, token_ids)``, and the index."""
         ...
 
 

@@ -1,6 +1,7 @@
 """Chapter 01 graders: ``Block.reset`` and the logical blocks of a ``Sequence``."""
 from __future__ import annotations
 
+from course_pkg.block import Block
 from course_pkg.block_manager import BlockManager
 from course_pkg.labs.lab import Grading
 from course_pkg.labs.lockstep import Lockstep, random_trace
@@ -15,6 +16,22 @@ def _manager_with_blocks(block_cls):
     return make
 
 
+def _fields(block) -> dict[str, object]:
+    """Every field the package's Block has (its ``__slots__``), by value."""
+    return {name: getattr(block, name, "<missing>") for name in Block.__slots__}
+
+
+def _registered(block_cls, block_id: int):
+    """A freed block that is still a cache entry: content registered, every extra field set."""
+    b = block_cls(block_id)
+    b.update(1234, [7, 8, 9, 10])
+    for name in Block.__slots__:
+        if name not in ("block_id", "ref_count", "hash", "token_ids"):
+            setattr(b, name, 77)       # e.g. the exact prefix ids of chapter 04
+    b.ref_count = 0
+    return b
+
+
 def grade_block_reset(block_cls, g: Grading) -> None:
     with g.scenario("reset of a fresh block"):
         b = block_cls(3)
@@ -22,12 +39,14 @@ def grade_block_reset(block_cls, g: Grading) -> None:
         g.equal((b.block_id, b.ref_count, b.hash, b.token_ids), (3, 1, -1, []),
                 "(block_id, ref_count, hash, token_ids) after reset(): one sequence holds it, nothing registered")
     with g.scenario("reset of a freed block that is still registered"):
-        b = block_cls(5)
-        b.update(1234, [7, 8, 9, 10])
-        b.ref_count = 0          # freed, still a cache entry
+        b = _registered(block_cls, 5)
         b.reset()
         g.equal((b.block_id, b.ref_count, b.hash, b.token_ids), (5, 1, -1, []),
                 "(block_id, ref_count, hash, token_ids) after reset()")
+        reference = _registered(Block, 5)
+        reference.reset()
+        for name, expected in _fields(reference).items():
+            g.equal(_fields(b)[name], expected, f"{name} after reset() (the package's Block.reset clears it)")
     with g.scenario("reused in a BlockManager (block size 2, pool of 3)"):
         lock = Lockstep(g, _manager_with_blocks(block_cls), 3, 2)
         lock.seq("A", [1, 2, 3, 4, 5])

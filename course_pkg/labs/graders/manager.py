@@ -9,7 +9,7 @@ from __future__ import annotations
 from course_pkg.block_manager import BlockManager
 from course_pkg.labs.lab import Grading
 from course_pkg.labs.lockstep import Lockstep, random_trace
-from course_pkg.labs.graders.serving import serve
+from course_pkg.labs.graders.serving import make_manager, serve
 from course_pkg.workloads import shared_prefix_workload
 
 
@@ -178,7 +178,8 @@ def grade_release_order(impl, g: Grading) -> None:
                                           output_len=(2, 8), seed=3)
         rates = {}
         for label, cls in (("reference", BlockManager), ("yours", impl)):
-            rates[label] = serve(cls(40, 8), requests, max_num_batched_tokens=256).prefix_cache_hit_rate
+            result = serve(make_manager(cls, 40, 8), requests, max_num_batched_tokens=256)
+            rates[label] = result.prefix_cache_hit_rate
         g.note(f"prefix-cache hit rate with your release order: {rates['yours']:.3f} "
                f"(reference: {rates['reference']:.3f})")
         g.equal(round(rates["yours"], 6), round(rates["reference"], 6),

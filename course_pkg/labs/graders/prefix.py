@@ -10,6 +10,7 @@ from __future__ import annotations
 from course_pkg.block_manager import BlockManager
 from course_pkg.labs.lab import Grading
 from course_pkg.labs.lockstep import Lockstep, random_trace
+from course_pkg.labs.graders.serving import make_manager
 from course_pkg.labs.graders.serving import serve as _serve
 from course_pkg.workloads import multi_turn_workload, shared_prefix_workload
 
@@ -69,6 +70,20 @@ def grade_prefix_caching(impl, g: Grading) -> None:
             lock.seq("C", list(range(1, 10)))           # A's tokens: 42 -> block 1, which holds 5..8
             g.equal(lock.call("can_allocate", "C"), 0, "can_allocate(C): its first block's hash points at a "
                                                        "block holding other tokens")
+    with g.scenario("a forced collision on the same tokens after another prefix: the parent decides (block size 4)"):
+        lock = Lockstep(g, impl, 12, 4)
+        real_hash = lock.ref.compute_hash
+        # Every block after the first hashes to 7: the index keeps one entry for all of them.
+        with lock.patched_hash(lambda token_ids, prefix=-1: 7 if prefix != -1 else real_hash(token_ids)):
+            lock.seq("C", [10, 11, 12, 13, 20, 21, 22, 23, 0])
+            lock.call("allocate", "C", 0)
+            lock.computed("C")
+            lock.seq("A", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+            lock.call("allocate", "A", 0)
+            lock.computed("A")                           # the entry 7 now points at A's [5, 6, 7, 8]
+            lock.seq("B", [10, 11, 12, 13, 5, 6, 7, 8, 0])
+            g.equal(lock.call("can_allocate", "B"), 1, "can_allocate(B): [10..13] is C's block, but the "
+                                                       "[5, 6, 7, 8] found under hash 7 follows A's prefix")
     for bs in (1, 7):
         with g.scenario(f"block size {bs}"):
             lock = Lockstep(g, impl, 12, bs)
@@ -109,7 +124,7 @@ def grade_prefix_caching(impl, g: Grading) -> None:
                                           output_len=(2, 6), seed=1)
         baseline = _serve(BlockManager(200, 8, enable_prefix_caching=False), requests).num_computed_tokens
         reference = baseline - _serve(BlockManager(200, 8), requests).num_computed_tokens
-        yours = baseline - _serve(impl(200, 8), requests).num_computed_tokens
+        yours = baseline - _serve(make_manager(impl, 200, 8), requests).num_computed_tokens
         g.note(f"shared 64-token system prompt, 24 requests: your cache saves {yours} of {baseline} "
                f"prefill tokens (the reference saves {reference})")
         g.equal(yours, reference, "prefill tokens saved (the reference's saving, no more: a larger one is a wrong hit)")
@@ -157,6 +172,6 @@ def grade_stale_entry_guard(impl, g: Grading) -> None:
             random_trace(Lockstep(g, impl, 8, bs), seed, 200)
     with g.scenario("multi-turn chats under memory pressure: the same hits (the real Scheduler)"):
         requests = multi_turn_workload(6, 3, system_len=16, user_len=(4, 10), output_len=(4, 10), seed=2)
-        ref, mine = _serve(BlockManager(24, 4), requests), _serve(impl(24, 4), requests)
+        ref, mine = _serve(BlockManager(24, 4), requests), _serve(make_manager(impl, 24, 4), requests)
         g.equal((mine.prefix_cache_hits, mine.num_computed_tokens), (ref.prefix_cache_hits, ref.num_computed_tokens),
                 "(prefix-cache hit tokens, computed tokens) on 6 three-turn chats in 24 blocks of 4")
