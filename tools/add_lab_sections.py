@@ -1,9 +1,9 @@
 """Insert (or refresh) the "Build it yourself" section of each chapter notebook.
 
-    python tools/add_lab_sections.py [notebooks/01_block.ipynb ...]    (default: chapters 01-07)
+    python tools/add_lab_sections.py [notebooks/01_block.ipynb ...]    (default: every NN_*.ipynb)
 
-For each notebook ``NN_*.ipynb`` it writes, just before the chapter's "Summary" heading cell,
-one section with the chapter's labs from ``course_pkg.labs``: per lab, what to write, the stub,
+For each notebook ``NN_*.ipynb`` whose chapter has labs in ``course_pkg.labs`` it writes, just
+before the chapter's "Summary" heading cell, one section with those labs: per lab, what to write, the stub,
 the grader run on the stub (its committed output lists what is checked) and the package's code
 as the solution, collapsed. Every cell it writes carries the tag ``lab`` in its metadata, and
 only such cells are ever removed or replaced: the script touches no other cell. Run it again
@@ -108,7 +108,7 @@ def update(path: Path) -> bool:
 
 def main(paths: list[str]) -> int:
     targets = [Path(p) for p in paths] or sorted(p.relative_to(Path.cwd()) if p.is_relative_to(Path.cwd()) else p
-                                                 for p in (ROOT / "notebooks").glob("0[1-7]_*.ipynb"))
+                                                 for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     changed = [p for p in targets if update(p)]
     for p in changed:
         print(f"{p}: lab section written")

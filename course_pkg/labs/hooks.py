@@ -30,6 +30,8 @@ PRIVATE_MEMBERS: dict[tuple[str, str], str] = {
         "solution of stale_entry_guard",
     ("course_pkg.block_manager:BlockManager", "_blocks_to_append"): "solution of append",
     ("course_pkg.block_manager:BlockManager", "_holders"): "keep_private_guards (below)",
+    ("course_pkg.block_manager:BlockManager", "_needs_copy_on_write"):
+        "mutants NoCopyOnWriteBlockManager, CopyExclusiveBlockManager; solution of fork_cow",
     ("course_pkg.scheduler:Scheduler", "_schedule_prefill"): "mutants.DecodeFirstScheduler; solution of scheduler",
     ("course_pkg.scheduler:Scheduler", "_schedule_decode"):
         "mutants PreemptOldestScheduler (a copy with one change), DecodeFirstScheduler; solution of scheduler",
@@ -45,15 +47,15 @@ def keep_private_guards(impl):
 
     The package's BlockManager records which sequences it allocated (``_holders``), so that
     ``can_append``, ``hash_blocks`` and ``deallocate`` refuse any other sequence. A student's
-    ``allocate`` or ``deallocate``, written from the chapter, does not know that record; this
+    ``allocate``, ``deallocate`` or ``fork``, written from the chapter, does not know that record; this
     subclass updates it after each of the student's calls that succeeded, and changes nothing
     else (the student's own checks and results are what the grader sees). Anything that is
     not a BlockManager subclass overriding those calls is returned as it is.
     """
     if not (isinstance(impl, type) and issubclass(impl, BlockManager)):
         return impl
-    overrides = {name for name in ("allocate", "deallocate")
-                 if getattr(impl, name) is not getattr(BlockManager, name)}
+    overrides = {name for name in ("allocate", "deallocate", "fork")
+                 if getattr(impl, name, None) is not getattr(BlockManager, name, None)}
     if not overrides:
         return impl
 
@@ -69,6 +71,13 @@ def keep_private_guards(impl):
             holders = getattr(self, "_holders", None)
             if "deallocate" in overrides and holders is not None and not seq.block_table:
                 holders.pop(seq.seq_id, None)
+
+        if "fork" in overrides:
+            def fork(self, parent, child):
+                impl.fork(self, parent, child)
+                holders = getattr(self, "_holders", None)
+                if holders is not None and child.block_table:
+                    holders[child.seq_id] = child
 
     Guarded.__name__, Guarded.__qualname__ = impl.__name__, impl.__qualname__
     return Guarded

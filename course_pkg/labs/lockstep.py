@@ -79,6 +79,16 @@ def invariant_violations(bm: BlockManager, live: list[Sequence]) -> list[str]:
     return problems
 
 
+class Named:
+    """An argument that names a sequence: each manager gets its own Sequence of that name."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
 def _call(fn: Callable, *args):
     try:
         return fn(*args), None
@@ -119,12 +129,26 @@ class Lockstep:
 
     # ------------------------------------------------------------------ calls
 
-    def call(self, method: str, name: str, *args, expect_raise: bool | None = None):
-        """``method(seq, *args)`` on both managers; compare results, state and invariants."""
+    def fork(self, parent: str, child: str, *, expect_raise: bool | None = None) -> None:
+        """``fork(parent, child)`` on both managers, ``child`` a fresh copy (``Sequence.fork``)."""
+        self.ref_seqs[child] = self.ref_seqs[parent].fork(len(self.ref_seqs))
+        self.my_seqs[child] = self.my_seqs[parent].fork(len(self.my_seqs))
+        self.call("fork", parent, Named(child), expect_raise=expect_raise)
+
+    def call(self, method: str, name: str, *args, expect_raise: bool | None = None,
+             compare_result: bool = False):
+        """``method(seq, *args)`` on both managers; compare results, state and invariants.
+
+        The results of ``can_allocate`` and ``can_append`` are always compared, others only with
+        ``compare_result`` (``may_append``'s copy-on-write copies, in the fork lab). A ``Named``
+        argument stands for that sequence.
+        """
         label = f"{method}({', '.join([name, *map(repr, args)])})"
         before = manager_state(self.mine, self.my_seqs)
-        ref_result, ref_error = _call(getattr(self.ref, method), self.ref_seqs[name], *args)
-        my_result, my_error = _call(getattr(self.mine, method), self.my_seqs[name], *args)
+        ref_args = [self.ref_seqs[a.name] if isinstance(a, Named) else a for a in args]
+        my_args = [self.my_seqs[a.name] if isinstance(a, Named) else a for a in args]
+        ref_result, ref_error = _call(getattr(self.ref, method), self.ref_seqs[name], *ref_args)
+        my_result, my_error = _call(getattr(self.mine, method), self.my_seqs[name], *my_args)
         if expect_raise is not None and (ref_error is not None) != expect_raise:
             raise AssertionError(f"the reference disagrees with the lab about whether {label} raises "
                                  f"({ref_error!r}): the lab needs updating")
@@ -141,7 +165,7 @@ class Lockstep:
             return None
         if my_error is not None:
             self.g.fail(f"{label} raised {type(my_error).__name__}: {my_error}")
-        if method in ("can_allocate", "can_append"):
+        if compare_result or method in ("can_allocate", "can_append"):
             self.g.equal(my_result, ref_result, f"{label} returned")
         self.compare(label)
         return my_result
@@ -189,13 +213,14 @@ def _short(value, limit: int = 160) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def random_trace(lock: Lockstep, seed: int, steps: int, *, decode: bool = True) -> None:
+def random_trace(lock: Lockstep, seed: int, steps: int, *, decode: bool = True, forks: bool = False) -> None:
     """``steps`` seeded random legal calls on both managers, compared after each one.
 
     Prompts share a random part of one "system prompt" and end in tokens drawn from a tiny
     vocabulary (so whole blocks repeat after different prefixes); admitted prompts are computed
     at once; running sequences decode (or, without a free block, are released as a scheduler
-    would preempt them); some finish and are released. Decisions follow the managers' answers,
+    would preempt them); some finish and are released; with ``forks``, running sequences fork
+    (and their copy-on-write copies are compared). Decisions follow the managers' answers,
     which the lockstep has already checked to be equal.
     """
     import random
@@ -219,11 +244,15 @@ def random_trace(lock: Lockstep, seed: int, steps: int, *, decode: bool = True) 
                 if lock.ref_seqs[name].block_table:
                     lock.computed(name)
                     live.append(name)
+        elif forks and r < 0.4:
+            child = f"S{n}"
+            lock.fork(rng.choice(live), child)
+            live.append(child)
         elif r < 0.85 and decode:
             name = rng.choice(live)
             lock.append_token(name, rng.randrange(1000, 1003))
             if lock.call("can_append", name):
-                lock.call("may_append", name)
+                lock.call("may_append", name, compare_result=forks)
                 lock.computed(name)
             else:
                 lock.call("deallocate", name)

@@ -281,6 +281,43 @@ class UnconditionalEvictBlockManager(BlockManager):
             self.hash_to_block_id.pop(block.hash, None)
 
 
+# ---------------------------------------------------------------- chapter 08: fork, copy-on-write
+
+class ForkWithoutRefCountsBlockManager(BlockManager):
+    """``fork`` copies the block table but raises no ref count: the first holder to finish
+    frees blocks the other still reads."""
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        if not parent.block_table or child.block_table:
+            raise ValueError("fork needs a parent with blocks and a child without")
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+
+
+class NoCopyOnWriteBlockManager(BlockManager):
+    """Never copies: a fork's new token is written into the last block its siblings still read."""
+
+    def _needs_copy_on_write(self, seq: Sequence) -> bool:
+        return False
+
+
+class CopyExclusiveBlockManager(BlockManager):
+    """Copies a partly filled last block on every write, shared or not: a wasted block and a
+    wasted copy per decode step."""
+
+    def _needs_copy_on_write(self, seq: Sequence) -> bool:
+        return len(seq.block_table) == seq.num_blocks
+
+
+class SilentCopyBlockManager(BlockManager):
+    """Makes the private block but does not say so: the K/V owner never copies the shared
+    block's K/V into it, so the fork reads garbage."""
+
+    def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
+        super().may_append(seq)
+        return []
+
+
 # ---------------------------------------------------------------- chapter 06: the scheduler
 
 class PreemptOldestScheduler(Scheduler):

@@ -1,4 +1,5 @@
-"""Every lab, in chapter order. Adding a lab is one entry here (chapters 08-09 go at the end)."""
+"""Every lab, by chapter. Adding a lab is one entry here; ``tools/add_lab_sections.py`` then puts
+it into its chapter's notebook (the chapter 08 lab waits for notebook 08)."""
 from __future__ import annotations
 
 from course_pkg.labs.lab import Lab
@@ -113,6 +114,18 @@ _LABS = [
         ("course_pkg.scheduler:Scheduler.schedule", "course_pkg.scheduler:Scheduler._schedule_prefill",
          "course_pkg.scheduler:Scheduler._schedule_decode", "course_pkg.scheduler:Scheduler.preempt"),
         task="`Scheduler.schedule` and `preempt`"),
+    Lab("fork_cow", "Fork and copy-on-write", 8,
+        "forks share every block, the partial last one too; the first write into a shared block copies "
+        "it and returns the copy (by hand); full blocks and block size 1 never copy; no free block; "
+        "forks of forks; misuse; random traces with forks in lockstep",
+        "course_pkg.block_manager:BlockManager", f"{_S}:StudentForkBlockManager", f"{_G}.manager:grade_fork_cow",
+        {"fork without ref counts": f"{_M}:ForkWithoutRefCountsBlockManager",
+         "no copy-on-write": f"{_M}:NoCopyOnWriteBlockManager",
+         "copies exclusive blocks too": f"{_M}:CopyExclusiveBlockManager",
+         "copy not reported": f"{_M}:SilentCopyBlockManager"},
+        ("course_pkg.block_manager:BlockManager.fork", "course_pkg.block_manager:BlockManager._needs_copy_on_write",
+         "course_pkg.block_manager:BlockManager.may_append"),
+        task="`BlockManager.fork` and `may_append` with copy-on-write"),
     Lab("kv_block_bytes", "Bytes of one KV block", 7,
         "hand-computed sizes (Qwen3-0.6B, Llama-3-8B, odd shapes) and the bytes a ModelRunner allocates per block",
         "course_pkg.labs.arithmetic:kv_block_bytes", f"{_S}:student_kv_block_bytes",

@@ -160,6 +160,25 @@ class StudentGuardBlockManager(BlockManager):
         ...
 
 
+# ---------------------------------------------------------------- chapter 08
+
+class StudentForkBlockManager(BlockManager):
+    """Lab ``fork_cow``: share a sequence's blocks with a fork, copy a shared block on write."""
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let ``child`` (a fresh copy made by ``parent.fork(index)``) share every block of
+        ``parent``, the partly filled last one too; raise, changing nothing, if ``parent`` holds
+        no blocks or ``child`` is not a blockless copy of it."""
+        ...
+
+    def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Give ``seq``'s newest token a place: a fresh block (``self._allocate_block()``) if it
+        starts one, or -- copy-on-write -- a private copy of a last block other sequences share.
+        Return the copies to make, ``[(src, dst)]`` block ids, for whoever owns the K/V; raise,
+        changing nothing, if no block is free. (``can_append`` counts the copy too.)"""
+        ...
+
+
 # ---------------------------------------------------------------- chapter 06
 
 class StudentScheduler(Scheduler):

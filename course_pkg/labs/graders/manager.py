@@ -1,4 +1,5 @@
-"""Chapter 02-03 graders: ``can_append``/``may_append``, ``allocate``/``deallocate``, the release order.
+"""Chapter 02, 03 and 08 graders: ``can_append``/``may_append``, ``allocate``/``deallocate``, the
+release order; ``fork`` and copy-on-write.
 
 Each scenario drives the manager under test and the package's in lockstep (``Lockstep``):
 same calls, same results, same state after every call, invariants checked each time. The
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from course_pkg.block_manager import BlockManager
 from course_pkg.labs.lab import Grading
-from course_pkg.labs.lockstep import Lockstep, random_trace
+from course_pkg.labs.lockstep import Lockstep, Named, random_trace
 from course_pkg.labs.graders.serving import make_manager, serve
 from course_pkg.workloads import shared_prefix_workload
 
@@ -184,3 +185,79 @@ def grade_release_order(impl, g: Grading) -> None:
                f"(reference: {rates['reference']:.3f})")
         g.equal(round(rates["yours"], 6), round(rates["reference"], 6),
                 "prefix-cache hit rate on 60 requests sharing 4 prompts, 40 blocks of 8")
+
+
+def _append(lock: Lockstep, name: str, token: int, copies, why: str) -> None:
+    """Decode one token of ``name``; ``may_append`` must return ``copies`` (hand-computed)."""
+    lock.append_token(name, token)
+    lock.call("can_append", name)
+    got = lock.call("may_append", name, compare_result=True)
+    lock.g.equal(got, copies, f"may_append({name}) ({why})")
+    lock.computed(name)
+
+
+def grade_fork_cow(impl, g: Grading) -> None:
+    with g.scenario("a fork shares every block; the first write into the shared last block copies it (block size 4)"):
+        lock = Lockstep(g, impl, 8, 4)
+        lock.seq("A", [1, 2, 3, 4, 5, 6])                  # blocks 0 (full), 1 (2 of 4)
+        lock.call("allocate", "A", 0)
+        lock.computed("A")
+        lock.fork("A", "B")
+        lock.expect("block table of B", (0, 1), "B shares both of A's blocks")
+        lock.expect("ref counts", (2, 2, 0, 0, 0, 0, 0, 0), "each shared block is held twice")
+        _append(lock, "B", 100, [(1, 2)], "B writes into the shared block 1: it gets a copy, block 2")
+        lock.expect("block table of B", (0, 2), "B's last block is its private copy")
+        _append(lock, "A", 200, [], "block 1 is A's alone now: written in place")
+        lock.expect("ref counts", (2, 1, 1, 0, 0, 0, 0, 0), "block 0 still shared")
+        lock.call("deallocate", "A")
+        lock.call("deallocate", "B")
+    with g.scenario("a full shared last block: the new token starts a new block, nothing is copied (block size 4)"):
+        lock = Lockstep(g, impl, 8, 4)
+        lock.seq("A", list(range(1, 9)))
+        lock.call("allocate", "A", 0)
+        lock.computed("A")
+        lock.fork("A", "B")
+        _append(lock, "B", 100, [], "the 9th token starts block 2 of B")
+        lock.expect("block table of B", (0, 1, 2), "a fresh block after the two shared ones")
+    with g.scenario("block size 1: every block is full, so a fork never copies"):
+        lock = Lockstep(g, impl, 8, 1)
+        lock.seq("A", [1, 2, 3])
+        lock.call("allocate", "A", 0)
+        lock.computed("A")
+        lock.fork("A", "B")
+        _append(lock, "B", 100, [], "a new block of one token")
+        _append(lock, "A", 200, [], "a new block of one token")
+    with g.scenario("no free block for the copy: refused, nothing changes (block size 4, pool 2)"):
+        lock = Lockstep(g, impl, 2, 4)
+        lock.seq("A", [1, 2, 3, 4, 5, 6])
+        lock.call("allocate", "A", 0)
+        lock.computed("A")
+        lock.fork("A", "B")
+        lock.append_token("B", 100)
+        g.equal(lock.call("can_append", "B"), False, "can_append(B): the copy needs a block, none is free")
+        lock.call("may_append", "B", expect_raise=True)
+    with g.scenario("a fork of a fork, the parent released first (block size 7)"):
+        lock = Lockstep(g, impl, 6, 7)
+        lock.seq("A", list(range(1, 11)))                  # blocks 0 (full), 1 (3 of 7)
+        lock.call("allocate", "A", 0)
+        lock.computed("A")
+        lock.fork("A", "B")
+        lock.fork("B", "C")
+        lock.expect("ref counts", (3, 3, 0, 0, 0, 0), "three holders")
+        lock.call("deallocate", "A")
+        _append(lock, "C", 100, [(1, 2)], "C writes into block 1, which B still holds")
+        _append(lock, "B", 200, [], "block 1 is B's alone now")
+        lock.call("deallocate", "B")
+        lock.call("deallocate", "C")
+    with g.scenario("misuse is refused and changes nothing (block size 4)"):
+        lock = Lockstep(g, impl, 8, 4)
+        lock.seq("A", [1, 2, 3, 4, 5])
+        lock.seq("X", [9, 9, 9])
+        lock.fork("X", "Y", expect_raise=True)             # X holds no blocks
+        lock.call("allocate", "A", 0)
+        lock.computed("A")
+        lock.call("allocate", "X", 0)
+        lock.call("fork", "A", Named("X"), expect_raise=True)   # X is not a blockless copy of A
+    for seed, bs in ((13, 3), (14, 7)):
+        with g.scenario(f"200 random calls with forks in lockstep (seed {seed}, block size {bs}, pool 14)"):
+            random_trace(Lockstep(g, impl, 14, bs), seed, 200, forks=True)
