@@ -22,8 +22,8 @@ import textwrap
 from course_pkg.labs.lab import Grading, Lab, LabReport
 from course_pkg.labs.registry import LABS, labs_of_chapter
 
-__all__ = ["Grading", "Lab", "LabReport", "LABS", "grade", "labs_of_chapter", "show_solution", "show_stub",
-           "source_of"]
+__all__ = ["Grading", "Lab", "LabReport", "LABS", "Solution", "grade", "labs_of_chapter", "show_solution",
+           "show_stub", "source_of"]
 
 
 def grade(name: str, impl) -> LabReport:

@@ -6,7 +6,8 @@ the grader compares what the call returned (or whether it raised), then the obse
 of the two managers, field by field, and checks the contract's invariants on the manager
 under test. Only public calls and public state are used: ``blocks`` (ref count, hash, token
 ids), ``free_block_ids`` (in order), ``used_block_ids``, ``hash_to_block_id`` and each
-sequence's ``block_table`` and ``num_cached_tokens``.
+sequence's ``block_table`` and ``num_cached_tokens``. (One private record, the manager's list
+of the sequences it holds, is kept in step around a student's calls: ``hooks.keep_private_guards``.)
 
 ``expect`` compares the manager under test with a value computed by hand from the contract
 (``shared/DESIGN.md``, "the contract of the core"), not taken from the reference.
