@@ -186,7 +186,9 @@ class StudentScheduler(Scheduler):
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """The sequences of the next step and whether it is a prefill step; set each one's
-        ``num_scheduled_tokens``, list the sequences preempted on the way in ``self.preempted``."""
+        ``num_scheduled_tokens``, list the sequences preempted on the way in ``self.preempted``,
+        and add the copies ``may_append`` returns to ``self.blocks_to_copy``. Empty only when no
+        request waits or runs."""
         ...
 
     def preempt(self, seq: Sequence) -> None:
