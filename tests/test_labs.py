@@ -21,7 +21,8 @@ from course_pkg.block_manager import BlockManager, NoFreeBlocksError
 from course_pkg.labs import LABS, Solution, labs_of_chapter, show_solution, show_stub, source_of
 from course_pkg.labs.hooks import PRIVATE_MEMBERS
 from course_pkg.labs.lab import resolve
-from course_pkg.sequence import Sequence
+from course_pkg.scheduler import Scheduler
+from course_pkg.sequence import Sequence, SequenceStatus
 
 ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = [(lab.name, mutant) for lab in LABS.values() for mutant in lab.mutant_paths]
@@ -207,6 +208,84 @@ class ScratchPrefixBlockManager(BlockManager):
             seq.block_hashes.append(h)
 
 
+class ScratchScheduler(Scheduler):
+    """schedule and preempt written from chapter 06's rules in one method each."""
+
+    def schedule(self):
+        self.preempted = []
+        for _ in range(2):                        # a second prefill pass if decode emptied the batch
+            batch, budget = [], self.max_num_batched_tokens
+            while self.waiting and budget > 0:
+                seq = self.waiting[0]
+                if not seq.block_table:           # a new prompt (a chunked one keeps its blocks)
+                    hits = self.block_manager.can_allocate(seq)
+                    if len(self.running) + seq.num_samples > self.max_num_seqs or hits < 0:
+                        break
+                    self.block_manager.allocate(seq, hits)
+                todo = len(seq) - seq.num_cached_tokens
+                seq.num_scheduled_tokens = min(todo, budget)
+                budget -= seq.num_scheduled_tokens
+                batch.append(seq)
+                if seq.num_scheduled_tokens < todo:
+                    break
+                self.waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+            self.stats.prefill_kv_computed_tokens += self.max_num_batched_tokens - budget
+            if batch:
+                return batch, True
+            if self.preempted or not self.running:
+                return [], False
+            i = 0
+            while i < len(self.running) and len(batch) < self.max_num_batched_tokens:
+                seq = self.running[i]
+                while seq in self.running and not self.block_manager.can_append(seq):
+                    self.preempt(self.running[-1])
+                if seq in self.running:
+                    self.blocks_to_copy += self.block_manager.may_append(seq)
+                    seq.num_scheduled_tokens = 1
+                    batch.append(seq)
+                    i += 1
+            if batch or not self.waiting:
+                return batch, False
+        return [], False
+
+    def preempt(self, seq):
+        self.block_manager.deallocate(seq)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_scheduled_tokens = 0
+        self.waiting.appendleft(seq)
+        self.preempted.append(seq)
+
+
+class ScratchForkBlockManager(BlockManager):
+    """fork and copy-on-write written from chapter 08's rules."""
+
+    def fork(self, parent, child):
+        if not parent.block_table or child.block_table or child.token_ids != parent.token_ids:
+            raise ValueError("fork needs a parent with blocks and a blockless copy of it")
+        for b in parent.block_table:
+            self.blocks[b].ref_count += 1
+        child.block_table = parent.block_table.copy()
+        child.block_hashes = parent.block_hashes.copy()
+
+    def may_append(self, seq):
+        last = self.blocks[seq.block_table[-1]]
+        shared_partial = len(seq.block_table) == seq.num_blocks and last.ref_count > 1
+        if not shared_partial and len(seq.block_table) == seq.num_blocks:
+            return []
+        if not self.free_block_ids:
+            raise NoFreeBlocksError("no free block")
+        fresh = self._allocate_block()
+        if shared_partial:
+            last.ref_count -= 1
+            seq.block_table[-1] = fresh.block_id
+            return [(last.block_id, fresh.block_id)]
+        seq.block_table.append(fresh.block_id)
+        return []
+
+
 class SimpleBlock(Block):
     def reset(self):
         Block.__init__(self, self.block_id)   # empty, unregistered, whatever fields Block has
@@ -239,6 +318,8 @@ def _kernel_lab(attr):
     ("release_order", lambda: type("ScratchRelease", (BlockManager,),
                                    {"deallocate": ScratchAllocateBlockManager.deallocate})),
     ("prefix_caching", lambda: ScratchPrefixBlockManager),
+    ("scheduler", lambda: ScratchScheduler),
+    ("fork_cow", lambda: ScratchForkBlockManager),
     ("block_reset", lambda: SimpleBlock),
     ("logical_blocks", lambda: ArithmeticSequence),
     ("kv_block_bytes", lambda: lambda bs, layers, heads, dim, nbytes: bs * layers * heads * dim * nbytes * 2),
