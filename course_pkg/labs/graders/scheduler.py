@@ -111,20 +111,23 @@ ENGINE = dict(block_size=4, num_kvcache_blocks=12, max_num_seqs=4, max_num_batch
 MAX_TOKENS = 8
 
 
-@functools.cache
-def _tiny_engine_and_prompts():
-    """The engine over the tiny model (CPU, float32), built once per process, and the prompts:
-    four random ones and one sharing the first's two leading blocks."""
+def _tiny_engine():
+    """A fresh engine over the tiny model (CPU, float32); a few tenths of a second after the first."""
     import torch
 
     from course_pkg.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(None, device="cpu", dtype=torch.float32, attention_backend="torch", **ENGINE)
+    return LLMEngine(None, device="cpu", dtype=torch.float32, attention_backend="torch", **ENGINE)
+
+
+@functools.cache
+def _prompts() -> tuple[tuple[int, ...], ...]:
+    """Four random prompts and one sharing the first's two leading blocks."""
+    vocab = _tiny_engine().config.vocab_size
     rng = random.Random(0)
-    vocab = engine.config.vocab_size
     prompts = [[rng.randrange(1, vocab) for _ in range(n)] for n in (9, 14, 5, 11)]
     prompts.append(prompts[0][:8] + [rng.randrange(1, vocab) for _ in range(3)])
-    return engine, tuple(map(tuple, prompts))
+    return tuple(map(tuple, prompts))
 
 
 @functools.cache
@@ -136,7 +139,7 @@ def _hf_greedy_tokens() -> tuple[tuple[int, ...], ...]:
 
     from course_pkg.models import default_model_path
 
-    _, prompts = _tiny_engine_and_prompts()
+    prompts = _prompts()
     hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(str(default_model_path()), dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
@@ -153,7 +156,7 @@ def _hf_greedy_tokens() -> tuple[tuple[int, ...], ...]:
 def _generate_with(impl, g: Grading, max_steps: int = 500) -> list[tuple[int, ...]]:
     from course_pkg.sampling_params import SamplingParams
 
-    engine, prompts = _tiny_engine_and_prompts()
+    engine, prompts = _tiny_engine(), _prompts()
     engine.scheduler = impl(ENGINE["num_kvcache_blocks"], ENGINE["block_size"], max_num_seqs=ENGINE["max_num_seqs"],
                             max_num_batched_tokens=ENGINE["max_num_batched_tokens"],
                             max_model_len=engine.max_model_len, eos_token_id=sorted(engine.scheduler.eos_token_ids))
@@ -214,4 +217,4 @@ def grade_scheduler(impl, g: Grading) -> None:
         expected = _hf_greedy_tokens()
         got = _generate_with(impl, g)
         for i, (mine, want) in enumerate(zip(got, expected)):
-            g.equal(mine, want, f"tokens of request {i} (prompt of {len(_tiny_engine_and_prompts()[1][i])} tokens)")
+            g.equal(mine, want, f"tokens of request {i} (prompt of {len(_prompts()[i])} tokens)")
