@@ -141,7 +141,7 @@ _LABS = [
         task="`internal_fragmentation(num_tokens, block_size)`"),
 ]
 
-LABS: dict[str, Lab] = {lab.name: lab for lab in _LABS}
+LABS: dict[str, Lab] = {lab.name: lab for lab in sorted(_LABS, key=lambda lab: lab.chapter)}
 
 
 def labs_of_chapter(chapter: int) -> list[Lab]:
