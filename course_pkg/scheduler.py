@@ -158,11 +158,14 @@ class Scheduler:
                              f"(the prompt must be shorter than max_model_len)")
         needed = self.max_blocks_needed(seq)
         if needed > self.block_manager.num_blocks:
+            n = seq.sampling_params.n
             raise ValueError(
                 f"sequence {seq.seq_id} can never fit in the KV cache: its prompt ({seq.num_prompt_tokens} "
-                f"tokens) plus up to {seq.max_tokens} generated tokens need {needed} blocks of "
-                f"{self.block_size} tokens, the pool has {self.block_manager.num_blocks}; "
-                f"use a larger pool, a shorter prompt or a smaller max_tokens")
+                f"tokens) plus up to {seq.max_tokens} generated tokens"
+                + (f" for each of {n} completions" if n > 1 else "")
+                + f" need {needed} blocks of {self.block_size} tokens, the pool has "
+                f"{self.block_manager.num_blocks}; use a larger pool, a shorter prompt or a smaller "
+                + ("max_tokens or n" if n > 1 else "max_tokens"))
 
     def is_finished(self) -> bool:
         """No request waits or runs (finished ones may still wait to be handed over)."""
