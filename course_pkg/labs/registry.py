@@ -1,5 +1,5 @@
 """Every lab, by chapter. Adding a lab is one entry here; ``tools/add_lab_sections.py`` then puts
-it into its chapter's notebook (the chapter 08 lab waits for notebook 08)."""
+it into its chapter's notebook."""
 from __future__ import annotations
 
 from course_pkg.labs.lab import Lab
