@@ -1,0 +1,389 @@
+"""Known-wrong implementations the labs' graders must reject (never use them).
+
+Each mutant is one classic mistake -- the ones the course's chapters warn about and the bugs
+Nano-vLLM fixed -- with everything else left as the package has it, so a grader that accepts a
+mutant has a blind spot exactly there. ``tests/test_labs.py`` checks that every one is rejected.
+The kernel mutants live in ``course_pkg.labs.kernel_labs`` (they need Triton).
+
+The mutants of ``_match_prefix``, ``_confirms_hit``, ``_maybe_evict_cached_block``,
+``_schedule_decode`` and the direct uses of ``_allocate_block`` depend on private steps of the
+package; they are listed in ``course_pkg.labs.hooks``.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from course_pkg.block import Block
+from course_pkg.block_manager import BlockManager, NoFreeBlocksError
+from course_pkg.scheduler import Scheduler
+from course_pkg.sequence import Sequence
+
+
+# ---------------------------------------------------------------- chapter 01: Block.reset
+
+class ResetToZeroBlock(Block):
+    """``reset`` sets ref_count 0: the block looks free while a sequence holds it."""
+
+    def reset(self) -> None:
+        self.ref_count = 0
+        self.hash = -1
+        self.token_ids = []
+
+
+class ResetKeepsHashBlock(Block):
+    """``reset`` forgets the hash: new content carries the old content's fingerprint."""
+
+    def reset(self) -> None:
+        self.ref_count = 1
+        self.token_ids = []
+
+
+# ---------------------------------------------------------------- chapter 01: logical blocks
+
+class FloorPlusOneSequence(Sequence):
+    """``num_blocks = n // block_size + 1``: one block too many when the last block is full."""
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_tokens // self.block_size + 1
+
+
+class ModuloLastBlockSequence(Sequence):
+    """``last_block_num_tokens = n % block_size``: 0 instead of block_size for a full last block."""
+
+    @property
+    def last_block_num_tokens(self) -> int:
+        return self.num_tokens % self.block_size
+
+
+# ---------------------------------------------------------------- chapter 02: append
+
+class ModuloOneBlockManager(BlockManager):
+    """The seed's one-liner ``len(seq) % block_size == 1``: never true for block size 1."""
+
+    def can_append(self, seq: Sequence) -> bool:
+        return len(self.free_block_ids) >= (len(seq) % self.block_size == 1)
+
+    def may_append(self, seq: Sequence) -> None:
+        if len(seq) % self.block_size == 1:
+            if not self.free_block_ids:
+                raise NoFreeBlocksError("no free block")
+            seq.block_table.append(self._allocate_block().block_id)
+
+
+class StrictCanAppendBlockManager(BlockManager):
+    """``can_append`` with ``>``: refuses when exactly as many blocks are free as needed."""
+
+    def can_append(self, seq: Sequence) -> bool:
+        needed = seq.num_blocks - len(seq.block_table)
+        return len(self.free_block_ids) > needed
+
+
+# ---------------------------------------------------------------- chapter 02: allocate / deallocate
+
+class NoRoomCheckBlockManager(BlockManager):
+    """``allocate`` takes fresh blocks one by one without checking room first: on a full pool
+    it fails half-way and leaves the sequence holding blocks."""
+
+    def allocate(self, seq: Sequence, num_cached_blocks: int = 0) -> None:
+        if num_cached_blocks:
+            return super().allocate(seq, num_cached_blocks)
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id} already has blocks")
+        for _ in range(seq.num_blocks):
+            seq.block_table.append(self._allocate_block().block_id)
+        seq.num_cached_tokens = 0
+        self.prefix_cache_stats.record(seq.num_tokens, 0)
+
+
+class FreesSharedBlocksBlockManager(BlockManager):
+    """``deallocate`` frees every block of the table, even one another sequence still holds."""
+
+    def deallocate(self, seq: Sequence) -> None:
+        if not seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id} holds no blocks")
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            if block.ref_count > 0:
+                block.ref_count = 0
+                self.used_block_ids.discard(block_id)
+                self.free_block_ids.append(block_id)
+        seq.block_table.clear()
+        seq.block_hashes.clear()
+        seq.num_cached_tokens = 0
+
+
+class KeepsTableBlockManager(BlockManager):
+    """``deallocate`` releases the blocks but leaves them in the sequence's block table."""
+
+    def deallocate(self, seq: Sequence) -> None:
+        table = list(seq.block_table)
+        super().deallocate(seq)
+        seq.block_table.extend(table)
+
+
+# ---------------------------------------------------------------- chapter 03: release order
+
+class ReleaseToHeadBlockManager(BlockManager):
+    """Released blocks go to the *head* of the free queue: the most recently freed block is
+    overwritten first (a stack), so a just-finished prefix is the first to go."""
+
+    def deallocate(self, seq: Sequence) -> None:
+        if not seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id} holds no blocks")
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.used_block_ids.remove(block_id)
+                self.free_block_ids.appendleft(block_id)
+        seq.block_table.clear()
+        seq.block_hashes.clear()
+        seq.num_cached_tokens = 0
+
+
+# ---------------------------------------------------------------- chapter 03: the free queue
+
+class DequeFreeBlockQueue:
+    """Right answers, wrong cost: ``remove`` is ``deque.remove``, a scan from the head (O(n))."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._queue = deque(range(num_blocks))
+        self._members = set(range(num_blocks))
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self):
+        return iter(self._queue)
+
+    def popleft(self) -> int:
+        block_id = self._queue.popleft()
+        self._members.discard(block_id)
+        return block_id
+
+    def append(self, block_id: int) -> None:
+        if not 0 <= block_id < self.num_blocks or block_id in self._members:
+            raise ValueError(f"cannot append block {block_id}")
+        self._queue.append(block_id)
+        self._members.add(block_id)
+
+    def remove(self, block_id: int) -> None:
+        self._queue.remove(block_id)      # ValueError if absent
+        self._members.discard(block_id)
+
+
+class ForgetfulLinkFreeBlockQueue:
+    """A linked list whose ``remove`` relinks only forwards: the next block's ``prev`` still
+    points at the removed one, so a later removal or append corrupts the order."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.head, self.tail = -2, -3
+        ids = [self.head, *range(num_blocks), self.tail]
+        self.next = {a: b for a, b in zip(ids, ids[1:])}
+        self.prev = {b: a for a, b in zip(ids, ids[1:])}
+        self.members = set(range(num_blocks))
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def __iter__(self):
+        b = self.next[self.head]
+        seen = 0
+        while b != self.tail and seen <= self.num_blocks:
+            yield b
+            b = self.next[b]
+            seen += 1
+
+    def popleft(self) -> int:
+        if not self.members:
+            raise IndexError("pop from an empty queue")
+        b = self.next[self.head]
+        self.remove(b)
+        return b
+
+    def append(self, block_id: int) -> None:
+        if not 0 <= block_id < self.num_blocks or block_id in self.members:
+            raise ValueError(f"cannot append block {block_id}")
+        last = self.prev[self.tail]
+        self.next[last] = block_id
+        self.prev[block_id] = last
+        self.next[block_id] = self.tail
+        self.prev[self.tail] = block_id
+        self.members.add(block_id)
+
+    def remove(self, block_id: int) -> None:
+        if block_id not in self.members:
+            raise ValueError(f"block {block_id} is not in the queue")
+        self.next[self.prev[block_id]] = self.next[block_id]   # the bug: prev of next not updated
+        self.members.remove(block_id)
+
+
+# ---------------------------------------------------------------- chapter 04: prefix caching
+
+class RegisterAtAllocationBlockManager(BlockManager):
+    """Registers a new sequence's full blocks as soon as they are allocated, before their K/V
+    are computed: a second sequence in the same step "hits" blocks that hold nothing yet."""
+
+    def allocate(self, seq: Sequence, num_cached_blocks: int = 0) -> None:
+        super().allocate(seq, num_cached_blocks)
+        computed = seq.num_cached_tokens
+        seq.num_cached_tokens = seq.num_tokens    # the bug: as if the K/V were there already
+        self.hash_blocks(seq)
+        seq.num_cached_tokens = computed
+
+
+class NoTokenCheckBlockManager(BlockManager):
+    """Trusts the hash alone: a collision hands out a block holding other tokens."""
+
+    def _confirms_hit(self, block: Block, token_ids: list[int], parent_prefix_id: int) -> bool:
+        return True
+
+
+class LastBlockHitBlockManager(BlockManager):
+    """Takes the prompt's last block from the cache too: a prompt that is all cached leaves no
+    token to compute, so there are no logits to sample the next token from."""
+
+    def _match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        block_ids, hashes, h, parent_prefix_id = [], [], -1, -1
+        if not self.enable_prefix_caching:
+            return block_ids, hashes
+        for i in range(seq.num_tokens // self.block_size):     # the bug: (num_tokens - 1) // block_size
+            token_ids = seq.block(i)
+            h = self.compute_hash(token_ids, h)
+            block_id = self.hash_to_block_id.get(h, -1)
+            if block_id == -1 or not self._confirms_hit(self.blocks[block_id], token_ids, parent_prefix_id):
+                break
+            block_ids.append(block_id)
+            hashes.append(h)
+            parent_prefix_id = self.blocks[block_id].prefix_id
+        return block_ids, hashes
+
+
+class UnchainedHashBlockManager(BlockManager):
+    """Hashes each block's tokens alone, without the parent's hash: the same tokens after
+    another prefix (or at another position) hit, though their K/V differ."""
+
+    @staticmethod
+    def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
+        from course_pkg.block_manager import compute_hash
+        return compute_hash(token_ids)
+
+
+class UnconditionalEvictBlockManager(BlockManager):
+    """The stale-entry guard without its condition: drops the index entry of the block's hash
+    even when the index points at *another* block with that hash (a still-valid entry)."""
+
+    def _maybe_evict_cached_block(self, block: Block) -> None:
+        if block.hash != -1:
+            self.hash_to_block_id.pop(block.hash, None)
+
+
+# ---------------------------------------------------------------- chapter 08: fork, copy-on-write
+
+class ForkWithoutRefCountsBlockManager(BlockManager):
+    """``fork`` copies the block table but raises no ref count: the first holder to finish
+    frees blocks the other still reads."""
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        if not parent.block_table or child.block_table:
+            raise ValueError("fork needs a parent with blocks and a child without")
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+
+
+class NoCopyOnWriteBlockManager(BlockManager):
+    """Never copies: a fork's new token is written into the last block its siblings still read."""
+
+    def _needs_copy_on_write(self, seq: Sequence) -> bool:
+        return False
+
+
+class CopyExclusiveBlockManager(BlockManager):
+    """Copies a partly filled last block on every write, shared or not: a wasted block and a
+    wasted copy per decode step."""
+
+    def _needs_copy_on_write(self, seq: Sequence) -> bool:
+        return len(seq.block_table) == seq.num_blocks
+
+
+class SilentCopyBlockManager(BlockManager):
+    """Makes the private block but does not say so: the K/V owner never copies the shared
+    block's K/V into it, so the fork reads garbage."""
+
+    def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
+        super().may_append(seq)
+        return []
+
+
+# ---------------------------------------------------------------- chapter 06: the scheduler
+
+class PreemptOldestScheduler(Scheduler):
+    """Preempts the *oldest* sequence not yet scheduled in this step -- the one closest to
+    finishing of those that wait for a token -- instead of the most recently admitted one."""
+
+    def _schedule_decode(self) -> list[Sequence]:
+        bm = self.block_manager
+        scheduled: list[Sequence] = []
+        i = 0
+        while i < len(self.running) and len(scheduled) < self.max_num_batched_tokens:
+            seq = self.running[i]
+            while not bm.can_append(seq):
+                victim = self.running[i + 1] if i + 1 < len(self.running) else seq   # the bug
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks_to_copy += bm.may_append(seq)
+                seq.num_scheduled_tokens = seq.num_tokens - seq.num_cached_tokens
+                scheduled.append(seq)
+                i += 1
+        return scheduled
+
+
+class PreemptToTailScheduler(Scheduler):
+    """Sends a preempted sequence to the *back* of ``waiting``: it loses its turn to every
+    request that arrived after it."""
+
+    def preempt(self, seq: Sequence) -> None:
+        super().preempt(seq)
+        self.waiting.remove(seq)
+        self.waiting.append(seq)
+
+
+class DecodeFirstScheduler(Scheduler):
+    """Runs a decode step whenever anything is running; new requests wait for a step in which
+    nothing decodes (no continuous batching of arrivals)."""
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        self.preempted = []
+        if self.running:
+            scheduled = self._schedule_decode()
+            if scheduled:
+                self.stats.num_decode_steps += 1
+                return scheduled, False
+        scheduled = self._schedule_prefill()
+        if scheduled:
+            self.stats.num_prefill_steps += 1
+        return scheduled, True
+
+
+# ---------------------------------------------------------------- chapter 07: arithmetic
+
+def kv_block_bytes_keys_only(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                             dtype_bytes: int) -> int:
+    """Counts the keys and forgets the values."""
+    return block_size * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+def kv_block_bytes_one_layer(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                             dtype_bytes: int) -> int:
+    """Counts K and V of one layer only."""
+    return 2 * block_size * num_kv_heads * head_dim * dtype_bytes
+
+
+def fragmentation_modulo(num_tokens: list[int], block_size: int) -> int:
+    """``block_size - n % block_size`` per sequence: a full last block counted as empty."""
+    return sum(block_size - n % block_size for n in num_tokens)

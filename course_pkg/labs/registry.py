@@ -1,0 +1,148 @@
+"""Every lab, by chapter. Adding a lab is one entry here; ``tools/add_lab_sections.py`` then puts
+it into its chapter's notebook."""
+from __future__ import annotations
+
+from course_pkg.labs.lab import Lab
+
+_G = "course_pkg.labs.graders"
+_S = "course_pkg.labs.stubs"
+_M = "course_pkg.labs.mutants"
+_K = "course_pkg.labs.kernel_labs"
+
+_LABS = [
+    Lab("block_reset", "Block.reset: a reused block starts held, empty and unregistered", 1,
+        "reset() of fresh and registered blocks by hand; blocks reused inside a BlockManager, lockstep",
+        "course_pkg.block:Block", f"{_S}:StudentBlock", f"{_G}.blocks:grade_block_reset",
+        {"reset to ref_count 0": f"{_M}:ResetToZeroBlock", "reset keeps the hash": f"{_M}:ResetKeepsHashBlock"},
+        ("course_pkg.block:Block.reset",),
+        task="`Block.reset()`"),
+    Lab("logical_blocks", "Logical blocks: num_blocks, last_block_num_tokens, block(i)", 1,
+        "hand-computed tables for block sizes 1, 7 and 16, full and partial last blocks, growth by decode",
+        "course_pkg.sequence:Sequence", f"{_S}:StudentSequence", f"{_G}.blocks:grade_logical_blocks",
+        {"n // bs + 1 blocks": f"{_M}:FloorPlusOneSequence", "n % bs last-block tokens": f"{_M}:ModuloLastBlockSequence"},
+        ("course_pkg.sequence:Sequence.num_blocks", "course_pkg.sequence:Sequence.last_block_num_tokens",
+         "course_pkg.sequence:Sequence.block"),
+        task="`Sequence.num_blocks`, `last_block_num_tokens` and `block(i)`"),
+    Lab("append", "can_append and may_append, for every block size", 2,
+        "decode across block boundaries at block sizes 1, 2, 7, 16; the equality case; a full pool; "
+        "lockstep block ids and invariants after every call",
+        "course_pkg.block_manager:BlockManager", f"{_S}:StudentAppendBlockManager", f"{_G}.manager:grade_append",
+        {"len % bs == 1 one-liner": f"{_M}:ModuloOneBlockManager",
+         "can_append with >": f"{_M}:StrictCanAppendBlockManager"},
+        ("course_pkg.block_manager:BlockManager.can_append", "course_pkg.block_manager:BlockManager._blocks_to_append",
+         "course_pkg.block_manager:BlockManager.may_append"),
+        task="`BlockManager.can_append` and `may_append`"),
+    Lab("allocate", "allocate and deallocate", 2,
+        "block tables and free-queue order by hand at block sizes 1, 4, 7; full pools and misuse change "
+        "nothing; shared prefixes, ref counts, revival; lockstep and invariants after every call",
+        "course_pkg.block_manager:BlockManager", f"{_S}:StudentAllocateBlockManager", f"{_G}.manager:grade_allocate",
+        {"no room check": f"{_M}:NoRoomCheckBlockManager",
+         "frees shared blocks": f"{_M}:FreesSharedBlocksBlockManager",
+         "keeps the block table": f"{_M}:KeepsTableBlockManager"},
+        ("course_pkg.block_manager:BlockManager.allocate", "course_pkg.block_manager:BlockManager.deallocate"),
+        task="`BlockManager.allocate` and `deallocate`"),
+    Lab("release_order", "Reversed release: the free queue as an LRU for prefixes", 3,
+        "free-queue order by hand; a prefix surviving new requests; shared blocks; the hit rate under "
+        "memory pressure equals the reference's (the real Scheduler)",
+        "course_pkg.block_manager:BlockManager", f"{_S}:StudentReleaseBlockManager",
+        f"{_G}.manager:grade_release_order",
+        {"forward release": "course_pkg.foils:ForwardReleaseBlockManager",
+         "release to the head": f"{_M}:ReleaseToHeadBlockManager"},
+        ("course_pkg.block_manager:BlockManager.deallocate",),
+        task="`BlockManager.deallocate`, releasing so that a sequence's prefix is overwritten last"),
+    Lab("free_queue", "A free block queue with O(1) remove", 3,
+        "FIFO order by hand and against a deque over 3000 random operations; misuse; the same block ids "
+        "inside a BlockManager; gate: remove's per-call cost at 100k blocks within 2x of 1k",
+        "course_pkg.free_block_queue:FreeBlockQueue", f"{_S}:StudentFreeBlockQueue",
+        f"{_G}.free_queue:grade_free_queue",
+        {"deque.remove (O(n))": f"{_M}:DequeFreeBlockQueue",
+         "remove forgets the back link": f"{_M}:ForgetfulLinkFreeBlockQueue"},
+        ("course_pkg.free_block_queue:FreeBlockQueue",),
+        task="a free block queue: `popleft`, `append`, `remove` in O(1), `len`, iteration"),
+    Lab("prefix_caching", "Prefix matching and hash_blocks", 4,
+        "hits only on computed blocks; never the prompt's last block; chained hashes; forced collisions "
+        "(other tokens, or the same tokens after another prefix); "
+        "block sizes 1 and 7; decoded blocks reused; gate: prefill tokens saved on a shared system prompt",
+        "course_pkg.block_manager:BlockManager", f"{_S}:StudentPrefixBlockManager",
+        f"{_G}.prefix:grade_prefix_caching",
+        {"hashes registered at allocation": f"{_M}:RegisterAtAllocationBlockManager",
+         "no token check on a hit": f"{_M}:NoTokenCheckBlockManager",
+         "tokens checked, not the parent (Nano-vLLM)": "course_pkg.foils:TokenCheckBlockManager",
+         "the prompt's last block hit": f"{_M}:LastBlockHitBlockManager",
+         "unchained hashes": f"{_M}:UnchainedHashBlockManager"},
+        ("course_pkg.block_manager:compute_hash", "course_pkg.block_manager:BlockManager._match_prefix",
+         "course_pkg.block_manager:BlockManager._confirms_hit", "course_pkg.block_manager:BlockManager._prefix_id_for",
+         "course_pkg.block_manager:BlockManager.hash_blocks"),
+        task="`BlockManager._match_prefix` (the lookup behind `can_allocate`) and `hash_blocks`"),
+    Lab("stale_entry_guard", "The stale-entry guard", 4,
+        "a stale index entry after its block is reused; same-prefix sequences in one step; multi-turn "
+        "chats under memory pressure give the reference's hits",
+        "course_pkg.block_manager:BlockManager", f"{_S}:StudentGuardBlockManager",
+        f"{_G}.prefix:grade_stale_entry_guard",
+        {"no stale-entry guard": "course_pkg.foils:UnguardedBlockManager",
+         "unconditional eviction": f"{_M}:UnconditionalEvictBlockManager"},
+        ("course_pkg.block_manager:BlockManager._allocate_block",
+         "course_pkg.block_manager:BlockManager._maybe_evict_cached_block"),
+        task="`BlockManager._maybe_evict_cached_block`, the guard run when a free block gets new content"),
+    Lab("store_kvcache", "The store-KV kernel (Triton)", 5,
+        "K and V at block slot // bs, offset slot % bs, by hand; padding slots untouched; block sizes 1, 4, 7; "
+        "a strided cache; float16",
+        "course_pkg.kernels:store_kvcache", f"{_K}:student_store_kvcache_kernel", f"{_K}:grade_store_kvcache",
+        {"address ignores the block stride": f"{_K}:store_ignoring_block_stride",
+         "key stored into both caches": f"{_K}:store_key_into_both_caches"},
+        ("course_pkg.kernels.triton_kernels:_store_kvcache_kernel",),
+        task="the store kernel, one Triton program per new token"),
+    Lab("paged_attention", "Paged decode attention (Triton)", 5,
+        "against the float64 reference: contexts 1-30, block sizes 4 and 7, GQA 1/2/4, large scores; "
+        "NaN in every unowned slot; one token's output is its value",
+        "course_pkg.kernels:paged_attention", f"{_K}:student_paged_decode_kernel", f"{_K}:grade_paged_attention",
+        {"no softmax scale": f"{_K}:decode_without_scale", "off-by-one mask": f"{_K}:decode_off_by_one_mask",
+         "round-robin GQA heads": f"{_K}:decode_round_robin_gqa",
+         "no online-softmax rescale": f"{_K}:decode_without_rescale"},
+        ("course_pkg.kernels.triton_kernels:_block_and_offset",
+         "course_pkg.kernels.triton_kernels:_online_softmax_step",
+         "course_pkg.kernels.triton_kernels:_paged_attention_kernel"),
+        task="a paged decode-attention kernel, one Triton program per (sequence, query head)"),
+    Lab("scheduler", "The Scheduler: schedule and preempt", 6,
+        "lockstep with the package's Scheduler (batches, token counts, preemptions, queues, block tables) "
+        "and hand-computed steps: prefill priority, chunking, the newest preempted first, max_num_seqs, hits; "
+        "the real engine with your scheduler gives Hugging Face's greedy tokens",
+        "course_pkg.scheduler:Scheduler", f"{_S}:StudentScheduler", f"{_G}.scheduler:grade_scheduler",
+        {"preempts the oldest": f"{_M}:PreemptOldestScheduler",
+         "preempted to the back of the line": f"{_M}:PreemptToTailScheduler",
+         "decode before prefill": f"{_M}:DecodeFirstScheduler"},
+        ("course_pkg.scheduler:Scheduler.schedule", "course_pkg.scheduler:Scheduler._schedule_prefill",
+         "course_pkg.scheduler:Scheduler._schedule_decode", "course_pkg.scheduler:Scheduler.preempt"),
+        task="`Scheduler.schedule` and `preempt`"),
+    Lab("fork_cow", "Fork and copy-on-write", 8,
+        "forks share every block, the partial last one too; the first write into a shared block copies "
+        "it and returns the copy (by hand); full blocks and block size 1 never copy; no free block; "
+        "forks of forks; misuse; random traces with forks in lockstep",
+        "course_pkg.block_manager:BlockManager", f"{_S}:StudentForkBlockManager", f"{_G}.manager:grade_fork_cow",
+        {"fork without ref counts": f"{_M}:ForkWithoutRefCountsBlockManager",
+         "no copy-on-write": f"{_M}:NoCopyOnWriteBlockManager",
+         "copies exclusive blocks too": f"{_M}:CopyExclusiveBlockManager",
+         "copy not reported": f"{_M}:SilentCopyBlockManager"},
+        ("course_pkg.block_manager:BlockManager.fork", "course_pkg.block_manager:BlockManager._needs_copy_on_write",
+         "course_pkg.block_manager:BlockManager.may_append"),
+        task="`BlockManager.fork` and `may_append` with copy-on-write"),
+    Lab("kv_block_bytes", "Bytes of one KV block", 7,
+        "hand-computed sizes (Qwen3-0.6B, Llama-3-8B, odd shapes) and the bytes a ModelRunner allocates per block",
+        "course_pkg.labs.arithmetic:kv_block_bytes", f"{_S}:student_kv_block_bytes",
+        f"{_G}.arithmetic:grade_kv_block_bytes",
+        {"keys only": f"{_M}:kv_block_bytes_keys_only", "one layer": f"{_M}:kv_block_bytes_one_layer"},
+        task="`kv_block_bytes(block_size, num_layers, num_kv_heads, head_dim, dtype_bytes)`"),
+    Lab("fragmentation", "Internal fragmentation", 7,
+        "hand-computed empty slots (full, partial and single-token last blocks, block size 1) and the "
+        "slots a BlockManager's block tables really leave empty",
+        "course_pkg.labs.arithmetic:internal_fragmentation", f"{_S}:student_internal_fragmentation",
+        f"{_G}.arithmetic:grade_internal_fragmentation",
+        {"n % bs empty slots": f"{_M}:fragmentation_modulo"},
+        task="`internal_fragmentation(num_tokens, block_size)`"),
+]
+
+LABS: dict[str, Lab] = {lab.name: lab for lab in sorted(_LABS, key=lambda lab: lab.chapter)}
+
+
+def labs_of_chapter(chapter: int) -> list[Lab]:
+    return [lab for lab in LABS.values() if lab.chapter == chapter]

@@ -1,0 +1,210 @@
+"""The starting points of the labs: the package's classes with the taught bodies left out.
+
+Copy a stub into a notebook cell (or a file), replace each ``...`` with code, and grade it:
+``LABS["append"].grade(StudentAppendBlockManager)`` or, from a shell,
+``python -m course_pkg.labs append my_file.py``. Everything not shown here is inherited from
+the package, so a stub exercises exactly the method bodies its chapter teaches.
+
+The prefix-caching stubs override two private steps of ``BlockManager`` (``_match_prefix`` and
+``_maybe_evict_cached_block``) and point to two more (``_confirms_hit``, ``_prefix_id_for``): they
+are the seams the package itself is built around; see ``course_pkg.labs.hooks``.
+"""
+from __future__ import annotations
+
+from course_pkg.block import Block
+from course_pkg.block_manager import BlockManager
+from course_pkg.scheduler import Scheduler
+from course_pkg.sequence import Sequence
+
+
+# ---------------------------------------------------------------- chapter 01
+
+class StudentBlock(Block):
+    """Lab ``block_reset``: prepare a block for new content."""
+
+    def reset(self) -> None:
+        """Called when the BlockManager hands this block to a sequence for new content.
+
+        Set ``ref_count``, ``hash``, ``token_ids`` -- and every other field of the block's
+        content (see ``Block.__init__``) -- to what a block that one sequence now holds, with
+        no registered content, must have.
+        """
+        ...
+
+
+class StudentSequence(Sequence):
+    """Lab ``logical_blocks``: split a sequence's tokens into logical blocks of ``block_size``."""
+
+    @property
+    def num_blocks(self) -> int:
+        """Logical blocks needed for all ``self.num_tokens`` tokens."""
+        ...
+
+    @property
+    def last_block_num_tokens(self) -> int:
+        """Tokens in the last logical block (1 .. block_size)."""
+        ...
+
+    def block(self, i: int) -> list[int]:
+        """Token ids of logical block ``i``; IndexError if there is no such block."""
+        ...
+
+
+# ---------------------------------------------------------------- chapter 02
+
+class StudentAppendBlockManager(BlockManager):
+    """Lab ``append``: give a decoding sequence a new block exactly when it needs one."""
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Can ``seq`` get the block its newest token needs? True when it needs none.
+
+        ``seq`` already holds ``seq.block_table``; its newest token is ``seq[-1]``.
+        """
+        ...
+
+    def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Append a fresh block (``self._allocate_block()``) to ``seq.block_table`` if the newest
+        token starts a new block; raise (changing nothing) if none is free. Every block size >= 1.
+        Return ``[]``: the block copies copy-on-write asks for (chapter 08) -- none here."""
+        ...
+
+
+class StudentAllocateBlockManager(BlockManager):
+    """Lab ``allocate``: admit a sequence, and release it."""
+
+    def allocate(self, seq: Sequence, num_cached_blocks: int = 0) -> None:
+        """Give ``seq`` one block per logical block.
+
+        The first ``num_cached_blocks`` come from the cache (``self._match_prefix(seq)`` returns
+        their ids and hashes; a free one is revived: taken out of the free queue), the rest are
+        fresh (``self._allocate_block()``). Set ``seq.block_hashes`` to the reused blocks'
+        hashes and ``seq.num_cached_tokens``; record the query in ``self.prefix_cache_stats``.
+        Raise, changing nothing, on misuse (the sequence already has blocks, too few free blocks).
+        """
+        ...
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks (ref counts; a block that reaches 0 goes to the free queue's
+        tail, keeping its hash), clear its table; raise, changing nothing, if it holds none."""
+        ...
+
+
+# ---------------------------------------------------------------- chapter 03
+
+class StudentReleaseBlockManager(BlockManager):
+    """Lab ``release_order``: release a sequence's blocks in the order that makes the free queue an LRU."""
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks so that its prefix blocks are overwritten last."""
+        ...
+
+
+class StudentFreeBlockQueue:
+    """Lab ``free_queue``: the free block ids in FIFO order, with O(1) ``remove``.
+
+    Ids are ``0 .. num_blocks - 1``; at the start every id is in the queue, ascending.
+    ``popleft``, ``append`` and ``remove`` must all take constant time, however long the queue.
+    """
+
+    def __init__(self, num_blocks: int):
+        ...
+
+    def __len__(self) -> int:
+        ...
+
+    def __iter__(self):
+        """Block ids from the head (allocated next) to the tail (freed most recently)."""
+        ...
+
+    def popleft(self) -> int:
+        """Remove and return the head; IndexError when empty."""
+        ...
+
+    def append(self, block_id: int) -> None:
+        """Put ``block_id`` at the tail; ValueError if it is already queued or not a block id."""
+        ...
+
+    def remove(self, block_id: int) -> None:
+        """Take ``block_id`` out wherever it is; ValueError if it is not in the queue."""
+        ...
+
+
+# ---------------------------------------------------------------- chapter 04
+
+class StudentPrefixBlockManager(BlockManager):
+    """Lab ``prefix_caching``: find a sequence's cached prefix, and register computed blocks."""
+
+    def _match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """The leading blocks of ``seq`` found in the cache: ``(block ids, their chained hashes)``.
+
+        Walk the full blocks with ``self.compute_hash(token_ids, parent_hash)`` and
+        ``self.hash_to_block_id``; a hit counts only if it can be trusted: the hash only finds
+        a candidate, ``self._confirms_hit(block, token_ids, parent_prefix_id)`` decides (the
+        parent's exact prefix id is the previous hit block's ``prefix_id``, -1 at the start).
+        """
+        ...
+
+    def hash_blocks(self, seq: Sequence) -> None:
+        """Register the blocks of ``seq`` that became full and computed since the last call
+        (``seq.num_cached_tokens`` counts the computed tokens; ``seq.block_hashes`` the
+        blocks registered so far): ``block.update(hash, token_ids, prefix_id, parent_prefix_id)``
+        with ``prefix_id = self._prefix_id_for(parent_prefix_id, token_ids)``, and the index."""
+        ...
+
+
+class StudentGuardBlockManager(BlockManager):
+    """Lab ``stale_entry_guard``: keep the index honest when a cached block gets new content."""
+
+    def _maybe_evict_cached_block(self, block: Block) -> None:
+        """``block`` is free and about to be reset for new content: fix the index."""
+        ...
+
+
+# ---------------------------------------------------------------- chapter 08
+
+class StudentForkBlockManager(BlockManager):
+    """Lab ``fork_cow``: share a sequence's blocks with a fork, copy a shared block on write."""
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let ``child`` (a fresh copy made by ``parent.fork(index)``) share every block of
+        ``parent``, the partly filled last one too; raise, changing nothing, if ``parent`` holds
+        no blocks or ``child`` is not a blockless copy of it."""
+        ...
+
+    def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Give ``seq``'s newest token a place: a fresh block (``self._allocate_block()``) if it
+        starts one, or -- copy-on-write -- a private copy of a last block other sequences share.
+        Return the copies to make, ``[(src, dst)]`` block ids, for whoever owns the K/V; raise,
+        changing nothing, if no block is free. (``can_append`` counts the copy too.)"""
+        ...
+
+
+# ---------------------------------------------------------------- chapter 06
+
+class StudentScheduler(Scheduler):
+    """Lab ``scheduler``: build each engine step (continuous batching, chunked prefill, preemption)."""
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """The sequences of the next step and whether it is a prefill step; set each one's
+        ``num_scheduled_tokens``, list the sequences preempted on the way in ``self.preempted``,
+        and add the copies ``may_append`` returns to ``self.blocks_to_copy``. Empty only when no
+        request waits or runs."""
+        ...
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and send it back to be recomputed, first in line."""
+        ...
+
+
+# ---------------------------------------------------------------- chapter 07
+
+def student_kv_block_bytes(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                           dtype_bytes: int) -> int:
+    """Lab ``kv_block_bytes``: bytes of KV cache one block takes, over all layers."""
+    ...
+
+
+def student_internal_fragmentation(num_tokens: list[int], block_size: int) -> int:
+    """Lab ``fragmentation``: token slots allocated but empty when each sequence holds
+    ``num_tokens[i]`` tokens in blocks of ``block_size``."""
+    ...

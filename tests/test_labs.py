@@ -1,0 +1,471 @@
+"""The labs (course_pkg.labs): every reference passes, every stub and mutant fails, and says where.
+
+A grader that accepts a mutant has a blind spot; one that rejects the package's own code, or a
+correct solution written differently, tests something the contract does not say. Both are
+checked here, with solutions written in this file independently of the package.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from course_pkg.block import Block
+from course_pkg.block_manager import BlockManager, NoFreeBlocksError
+from course_pkg.labs import LABS, Solution, labs_of_chapter, show_solution, show_stub, source_of
+from course_pkg.labs.hooks import PRIVATE_MEMBERS
+from course_pkg.labs.lab import resolve
+from course_pkg.scheduler import Scheduler
+from course_pkg.sequence import Sequence, SequenceStatus
+
+ROOT = Path(__file__).resolve().parents[1]
+MUTANTS = [(lab.name, mutant) for lab in LABS.values() for mutant in lab.mutant_paths]
+
+
+def _assert_failures_name_their_scenario(report) -> None:
+    assert report.failures, "a failing report without failures"
+    for failure in report.failures:
+        scenario = next((s for s in report.scenarios if failure.startswith(s + ": ")), None)
+        assert scenario is not None, f"failure names no scenario of the lab: {failure!r}"
+        assert len(failure) > len(scenario) + 10, f"failure does not say what differed: {failure!r}"
+
+
+def test_registry_covers_every_chapter_with_enough_labs_and_mutants():
+    assert len(LABS) >= 10
+    chapters = {int(p.name[:2]) for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
+    for chapter in sorted({*range(1, 8), *(chapters & set(range(1, 10)))}):   # 01-07, and 08-09 once written
+        assert labs_of_chapter(chapter), f"chapter {chapter:02d} has no lab"
+    assert sum(len(lab.mutant_paths) for lab in LABS.values()) >= 16
+    for lab in LABS.values():
+        assert lab.mutant_paths, f"lab {lab.name} has no mutant"
+        assert lab.title and lab.checks and lab.task
+
+
+@pytest.mark.parametrize("name", list(LABS))
+def test_the_reference_passes(name):
+    lab = LABS[name]
+    report = lab.grade(lab.reference)
+    assert report.passed, str(report)
+    assert report.scenarios and not report.failures
+
+
+@pytest.mark.parametrize("name", list(LABS))
+def test_the_stub_fails_and_every_failure_names_its_scenario(name):
+    lab = LABS[name]
+    report = lab.grade(lab.stub)
+    assert not report.passed
+    _assert_failures_name_their_scenario(report)
+    assert str(report).startswith(f"lab {name}: FAILED")
+
+
+@pytest.mark.parametrize(("name", "mutant"), MUTANTS, ids=[f"{n}-{m}" for n, m in MUTANTS])
+def test_every_mutant_is_rejected_and_the_failure_names_its_scenario(name, mutant):
+    lab = LABS[name]
+    report = lab.grade(lab.mutants[mutant])
+    assert not report.passed, f"mutant {mutant!r} of lab {name} passes: the grader has a blind spot"
+    _assert_failures_name_their_scenario(report)
+
+
+# ------------------------------------------------------------------ correct solutions, written here
+
+class DictFreeBlockQueue:
+    """A linked free queue written with dicts, differently from the package's arrays."""
+
+    def __init__(self, num_blocks):
+        self.n = num_blocks
+        self.prev, self.next = {}, {}
+        self.first = self.last = None
+        for b in range(num_blocks):
+            self.append(b)
+
+    def __len__(self):
+        return len(self.prev)
+
+    def __iter__(self):
+        b = self.first
+        while b is not None:
+            yield b
+            b = self.next[b]
+
+    def popleft(self):
+        if self.first is None:
+            raise IndexError("empty")
+        b = self.first
+        self.remove(b)
+        return b
+
+    def append(self, b):
+        if not (isinstance(b, int) and 0 <= b < self.n) or b in self.prev:
+            raise ValueError(b)
+        self.prev[b], self.next[b] = self.last, None
+        if self.last is None:
+            self.first = b
+        else:
+            self.next[self.last] = b
+        self.last = b
+
+    def remove(self, b):
+        if b not in self.prev:
+            raise ValueError(b)
+        p, n = self.prev.pop(b), self.next.pop(b)
+        if p is None:
+            self.first = n
+        else:
+            self.next[p] = n
+        if n is None:
+            self.last = p
+        else:
+            self.prev[n] = p
+
+
+class MinusOneRuleBlockManager(BlockManager):
+    """can_append / may_append by the rule "(len - 1) % block_size == 0" instead of counting the table."""
+
+    def can_append(self, seq):
+        return len(self.free_block_ids) >= ((len(seq) - 1) % self.block_size == 0)
+
+    def may_append(self, seq):
+        if (len(seq) - 1) % self.block_size == 0:
+            if not self.free_block_ids:
+                raise NoFreeBlocksError("no free block")
+            seq.block_table.append(self._allocate_block().block_id)
+
+
+class ScratchAllocateBlockManager(BlockManager):
+    """allocate and deallocate written from the chapter's contract, not from the package's code."""
+
+    def allocate(self, seq, num_cached_blocks=0):
+        if seq.block_table:
+            raise ValueError("the sequence already has blocks")
+        hits, hashes = self._match_prefix(seq)
+        if not 0 <= num_cached_blocks <= len(hits):
+            raise ValueError("more cached blocks than the cache holds")
+        hits = hits[:num_cached_blocks]
+        revived = [b for b in hits if self.blocks[b].ref_count == 0]
+        if seq.num_blocks - len(hits) + len(revived) > len(self.free_block_ids):
+            raise NoFreeBlocksError("too few free blocks")
+        for b in hits:
+            if b in revived:
+                self.free_block_ids.remove(b)
+                self.used_block_ids.add(b)
+            self.blocks[b].ref_count += 1
+            seq.block_table.append(b)
+        while len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self._allocate_block().block_id)
+        seq.block_hashes = hashes[:num_cached_blocks]
+        seq.num_cached_tokens = num_cached_blocks * self.block_size
+        self.prefix_cache_stats.record(seq.num_tokens, seq.num_cached_tokens)
+
+    def deallocate(self, seq):
+        if not seq.block_table:
+            raise ValueError("the sequence holds no blocks")
+        for b in seq.block_table[::-1]:
+            block = self.blocks[b]
+            block.ref_count -= 1
+            if not block.ref_count:
+                self.used_block_ids.discard(b)
+                self.free_block_ids.append(b)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_cached_tokens = 0
+
+
+class ScratchPrefixBlockManager(BlockManager):
+    """The lookup and the registration written as one loop each, with the package's exact-prefix helpers."""
+
+    def _match_prefix(self, seq):
+        ids, hashes, h, parent = [], [], -1, -1
+        if not self.enable_prefix_caching:
+            return ids, hashes
+        for i in range((len(seq) - 1) // self.block_size):
+            tokens = seq.block(i)
+            h = self.compute_hash(tokens, h)
+            b = self.hash_to_block_id.get(h)
+            if b is None or not self._confirms_hit(self.blocks[b], tokens, parent):
+                break
+            ids.append(b)
+            hashes.append(h)
+            parent = self.blocks[b].prefix_id
+        return ids, hashes
+
+    def hash_blocks(self, seq):
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_cached_tokens // self.block_size, len(seq.block_table))
+        while len(seq.block_hashes) < full:
+            i = len(seq.block_hashes)
+            tokens = seq.block(i)
+            h = self.compute_hash(tokens, seq.block_hashes[-1] if i else -1)
+            parent = self.blocks[seq.block_table[i - 1]].prefix_id if i else -1
+            block = self.blocks[seq.block_table[i]]
+            block.update(h, tokens, self._prefix_id_for(parent, tokens), parent)
+            self.hash_to_block_id[h] = block.block_id
+            seq.block_hashes.append(h)
+
+
+class ScratchScheduler(Scheduler):
+    """schedule and preempt written from chapter 06's rules in one method each."""
+
+    def schedule(self):
+        self.preempted = []
+        for _ in range(2):                        # a second prefill pass if decode emptied the batch
+            batch, budget = [], self.max_num_batched_tokens
+            while self.waiting and budget > 0:
+                seq = self.waiting[0]
+                if not seq.block_table:           # a new prompt (a chunked one keeps its blocks)
+                    hits = self.block_manager.can_allocate(seq)
+                    if len(self.running) + seq.num_samples > self.max_num_seqs or hits < 0:
+                        break
+                    self.block_manager.allocate(seq, hits)
+                todo = len(seq) - seq.num_cached_tokens
+                seq.num_scheduled_tokens = min(todo, budget)
+                budget -= seq.num_scheduled_tokens
+                batch.append(seq)
+                if seq.num_scheduled_tokens < todo:
+                    break
+                self.waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+            self.stats.prefill_kv_computed_tokens += self.max_num_batched_tokens - budget
+            if batch:
+                return batch, True
+            if self.preempted or not self.running:
+                return [], False
+            i = 0
+            while i < len(self.running) and len(batch) < self.max_num_batched_tokens:
+                seq = self.running[i]
+                while seq in self.running and not self.block_manager.can_append(seq):
+                    self.preempt(self.running[-1])
+                if seq in self.running:
+                    self.blocks_to_copy += self.block_manager.may_append(seq)
+                    seq.num_scheduled_tokens = 1
+                    batch.append(seq)
+                    i += 1
+            if batch or not self.waiting:
+                return batch, False
+        return [], False
+
+    def preempt(self, seq):
+        self.block_manager.deallocate(seq)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_scheduled_tokens = 0
+        self.waiting.appendleft(seq)
+        self.preempted.append(seq)
+
+
+class ScratchForkBlockManager(BlockManager):
+    """fork and copy-on-write written from chapter 08's rules."""
+
+    def fork(self, parent, child):
+        if not parent.block_table or child.block_table or child.token_ids != parent.token_ids:
+            raise ValueError("fork needs a parent with blocks and a blockless copy of it")
+        for b in parent.block_table:
+            self.blocks[b].ref_count += 1
+        child.block_table = parent.block_table.copy()
+        child.block_hashes = parent.block_hashes.copy()
+
+    def may_append(self, seq):
+        last = self.blocks[seq.block_table[-1]]
+        shared_partial = len(seq.block_table) == seq.num_blocks and last.ref_count > 1
+        if not shared_partial and len(seq.block_table) == seq.num_blocks:
+            return []
+        if not self.free_block_ids:
+            raise NoFreeBlocksError("no free block")
+        fresh = self._allocate_block()
+        if shared_partial:
+            last.ref_count -= 1
+            seq.block_table[-1] = fresh.block_id
+            return [(last.block_id, fresh.block_id)]
+        seq.block_table.append(fresh.block_id)
+        return []
+
+
+class SimpleBlock(Block):
+    def reset(self):
+        Block.__init__(self, self.block_id)   # empty, unregistered, whatever fields Block has
+        self.ref_count = 1
+
+
+class ArithmeticSequence(Sequence):
+    @property
+    def num_blocks(self):
+        return -(-self.num_tokens // self.block_size)
+
+    @property
+    def last_block_num_tokens(self):
+        return (self.num_tokens - 1) % self.block_size + 1
+
+    def block(self, i):
+        if not 0 <= i < self.num_blocks:
+            raise IndexError(i)
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+
+def _kernel_lab(attr):
+    return getattr(importlib.import_module("course_pkg.labs.kernel_labs"), attr)
+
+
+@pytest.mark.parametrize(("name", "solution"), [
+    ("free_queue", lambda: DictFreeBlockQueue),
+    ("append", lambda: MinusOneRuleBlockManager),
+    ("allocate", lambda: ScratchAllocateBlockManager),
+    ("release_order", lambda: type("ScratchRelease", (BlockManager,),
+                                   {"deallocate": ScratchAllocateBlockManager.deallocate})),
+    ("prefix_caching", lambda: ScratchPrefixBlockManager),
+    ("scheduler", lambda: ScratchScheduler),
+    ("fork_cow", lambda: ScratchForkBlockManager),
+    ("block_reset", lambda: SimpleBlock),
+    ("logical_blocks", lambda: ArithmeticSequence),
+    ("kv_block_bytes", lambda: lambda bs, layers, heads, dim, nbytes: bs * layers * heads * dim * nbytes * 2),
+    ("fragmentation", lambda: lambda tokens, bs: sum((bs - n % bs) % bs for n in tokens)),
+    ("store_kvcache", lambda: _kernel_lab("store_lab_shaped")),        # a kernel of the lab's shape
+    ("paged_attention", lambda: _kernel_lab("decode_lab_shaped")),
+])
+def test_a_correct_solution_written_differently_passes(name, solution):
+    report = LABS[name].grade(solution())
+    assert report.passed, str(report)
+
+
+# ------------------------------------------------------------------ the measured gates
+
+def test_the_free_queue_gate_alone_rejects_an_o_n_remove():
+    report = LABS["free_queue"].grade(LABS["free_queue"].mutants["deque.remove (O(n))"])
+    assert len(report.failures) == 1 and report.failures[0].startswith("remove costs the same"), report.failures
+    assert re.search(r"ratio \d+\.\d+", " ".join(report.notes))
+
+
+def test_the_prefix_caching_lab_reports_the_saving_and_requires_the_references():
+    lab = LABS["prefix_caching"]
+    note = " ".join(lab.grade(lab.reference).notes)
+    saved, total, reference = map(int, re.search(r"saves (\d+) of (\d+) prefill tokens \(the reference saves (\d+)\)",
+                                                 note).groups())
+    assert saved == reference and 0 < saved < total
+    # Registering at allocation "saves" more -- by hitting blocks whose K/V do not exist yet.
+    report = lab.grade(lab.mutants["hashes registered at allocation"])
+    assert any(f.startswith("prefill tokens saved") for f in report.failures)
+
+
+# ------------------------------------------------------------------ private members, display, CLI
+
+def test_every_private_member_the_labs_name_is_listed_in_hooks_and_exists():
+    for (owner, member), where in PRIVATE_MEMBERS.items():
+        obj = resolve(owner) if ":" in owner else importlib.import_module(owner)
+        if obj is BlockManager:
+            obj = BlockManager(1, 1)                          # instance attributes count
+        assert hasattr(obj, member), \
+            f"{owner}.{member} (used by {where}) no longer exists: adapt course_pkg/labs/hooks.py and its users"
+    listed = {member for _, member in PRIVATE_MEMBERS}
+    package_privates = set()
+    for owner in ("course_pkg.block_manager:BlockManager", "course_pkg.scheduler:Scheduler",
+                  "course_pkg.block:Block", "course_pkg.sequence:Sequence"):
+        package_privates |= {m for m in dir(resolve(owner)) if m.startswith("_") and not m.startswith("__")}
+    for instance in (BlockManager(1, 1), Sequence([1])):      # attributes set in __init__ too
+        package_privates |= {m for m in vars(instance) if m.startswith("_") and not m.startswith("__")}
+    package_privates |= {m for m in vars(importlib.import_module("course_pkg.kernels.triton_kernels"))
+                         if m.startswith("_") and not m.startswith("__")}
+    for path in (ROOT / "course_pkg" / "labs").rglob("*.py"):
+        used = set(re.findall(r"\b(_[a-z][a-z0-9_]*)\b", path.read_text())) & package_privates
+        assert used <= listed, f"{path.name} names private members not listed in hooks.py: {sorted(used - listed)}"
+
+
+def test_stub_and_solution_display():
+    code = show_stub("append")
+    assert "def can_append" in code.data and "..." in code.data
+    solution = show_solution("append")
+    assert isinstance(solution, Solution)
+    assert repr(solution) == "\n".join(source_of(o) for o in LABS["append"].solution).rstrip()
+    assert "<details>" in solution._repr_html_() and "can_append" in solution._repr_html_()
+    assert "def student_paged_decode_kernel" in show_stub("paged_attention").data
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "course_pkg.labs", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+
+
+def test_cli_lists_every_lab_and_grades_a_file(tmp_path):
+    listing = _cli("list")
+    assert listing.returncode == 0, listing.stderr
+    for lab in LABS.values():
+        assert re.search(rf"^{lab.name}\s+chapter {lab.chapter:02d}", listing.stdout, re.M), lab.name
+    good = tmp_path / "good.py"
+    good.write_text(textwrap.dedent("""
+        def student_internal_fragmentation(num_tokens, block_size):
+            return sum(-n % block_size for n in num_tokens)
+    """))
+    bad = tmp_path / "bad.py"
+    bad.write_text("def frag(num_tokens, block_size):\n    return 0\n")
+    passed = _cli("fragmentation", str(good))
+    assert passed.returncode == 0 and "lab fragmentation: PASSED" in passed.stdout, passed.stdout + passed.stderr
+    failed = _cli("fragmentation", str(bad), "--name", "frag")
+    assert failed.returncode == 1 and "one token in a block of 16: internal_fragmentation([1], 16)" in failed.stdout
+    missing = _cli("fragmentation", str(bad))
+    assert missing.returncode != 0 and "defines no 'student_internal_fragmentation'" in missing.stderr
+    unknown = _cli("no_such_lab", str(good))
+    assert unknown.returncode == 2 and "no lab named" in unknown.stderr
+
+
+def test_misuse_of_the_registry_is_named():
+    with pytest.raises(KeyError, match="no lab named 'nope'"):
+        show_stub("nope")
+    with pytest.raises(KeyError, match="the labs are: block_reset"):
+        show_solution("nope")
+
+
+# ------------------------------------------------------------------ tools/add_lab_sections.py
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("add_lab_sections", ROOT / "tools" / "add_lab_sections.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_add_lab_sections_inserts_before_the_summary_touches_nothing_else_and_is_idempotent(tmp_path):
+    import nbformat
+
+    tool = _load_tool()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# 02 · Title"), nbformat.v4.new_code_cell("x = 1"),
+                nbformat.v4.new_markdown_cell("## Summary and what comes next\n\ntext"),
+                nbformat.v4.new_markdown_cell("## References")]
+    nb.cells[1].outputs = [nbformat.v4.new_output("stream", text="kept\n")]
+    path = tmp_path / "02_block_manager.ipynb"
+    nbformat.write(nb, path)
+    assert tool.update(path) is True
+    cells = nbformat.read(path, as_version=4).cells
+    tagged = [i for i, c in enumerate(cells) if "lab" in c.metadata.get("tags", [])]
+    assert tagged == list(range(2, 2 + len(tagged))) and cells[tagged[-1] + 1].source.startswith("## Summary")
+    assert cells[1].outputs[0]["text"] == "kept\n" and cells[-1].source == "## References"
+    sources = "\n".join(cells[i].source for i in tagged)
+    for lab in labs_of_chapter(2):
+        assert f'grade("{lab.name}", ' in sources and f'show_solution("{lab.name}")' in sources
+    before = path.read_text()
+    assert tool.update(path) is False and path.read_text() == before      # up to date: untouched
+    # A stale section (a lab's text changed) is replaced, wherever it was.
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[tagged[1]].source = "### an old title"
+    nb.cells.append(nb.cells.pop(tagged[0]))
+    nbformat.write(nb, path)
+    assert tool.update(path) is True and path.read_text() == before
+
+
+def test_add_lab_sections_refuses_a_notebook_without_a_summary(tmp_path):
+    import nbformat
+
+    tool = _load_tool()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# 03 · Title")]
+    path = tmp_path / "03_x.ipynb"
+    nbformat.write(nb, path)
+    before = path.read_text()
+    with pytest.raises(SystemExit, match="no markdown cell with a 'Summary' heading"):
+        tool.update(path)
+    assert path.read_text() == before
