@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/scheduling.py                 # both parts, a few minutes
     .venv/bin/python benchmarks/scheduling.py --skip-swap     # part 1 only
-    .venv/bin/python benchmarks/scheduling.py --num-requests 64 --rate 1.5 --repeats 3   # closer to the issue
+    .venv/bin/python benchmarks/scheduling.py --num-requests 64 --repeats 3 --budgets 128   # a larger sample
 
 Part 1, policies. One seeded Poisson arrival trace (``--num-requests`` requests at ``--rate``
 per second; prompts 16-1,024 tokens, outputs 16-256, ``ignore_eos``) is served on the wall clock
@@ -27,9 +27,15 @@ swap = ``ModelRunner.swap_out`` plus ``swap_in`` of its blocks. On a CPU the "de
 host memory too, so a swap is a memcpy; ``benchmarks/swap_gpu.py`` measures the host-device
 copy where it matters. The crossover is the shortest length at which recompute is cheaper.
 
+The token budget decides what ``mixed`` buys. On a CPU a step's time grows with its tokens, so
+under ``mixed`` a decode waits for one whole step of ``max_num_batched_tokens`` tokens whenever a
+prompt is being prefilled, while under ``prefill_first`` it waits for every step of that prompt.
+A smaller budget shortens the first and lengthens the second (Sarathi-Serve sizes its chunks
+from the latency target for this reason). Part 1 runs once per ``--budgets`` value.
+
 The issue's trace is 16-1,024-token prompts at a rate near capacity; the defaults here keep the
 whole script to a few minutes on this 2-core CPU (32 requests per run, 2 requests per second,
-256 tokens per step); the output says so.
+budgets of 128 and 256 tokens per step); the output says so.
 """
 from __future__ import annotations
 
@@ -100,14 +106,14 @@ def summarize(result, config) -> dict:
                 stall=max(itl), flops=model_flops(config, result.steps) / busy, steps=len(result.steps))
 
 
-def policies(args, path) -> None:
+def policies(args, path, budget: int) -> None:
     trace = poisson_trace(args.num_requests, args.rate, seed=args.seed, prompt_len=(16, 1024),
                           output_len=(16, 256), vocab_size=args.vocab_size)
     num_prompt = sum(len(r.prompt) for r in trace)
     num_output = sum(r.max_tokens for r in trace)
     print(f"\npart 1: {len(trace)} requests, Poisson arrivals at {args.rate}/s over {trace[-1].arrival:.1f} s, "
           f"prompts 16-1024 tokens ({num_prompt} in all), outputs 16-256 ({num_output} in all); "
-          f"max_num_batched_tokens={args.max_num_batched_tokens}, max_num_seqs={args.max_num_seqs}")
+          f"max_num_batched_tokens={budget}, max_num_seqs={args.max_num_seqs}")
     print(f"  (scaled down for this CPU: {args.num_requests} requests per run, "
           f"{args.repeats} interleaved repeats, medians reported)")
     _, config, _ = load_model(path, dtype=torch.float32, device="cpu")
@@ -116,15 +122,15 @@ def policies(args, path) -> None:
     for rep in range(args.repeats):
         for name in runs:
             llm = LLM(str(path), **CPU, max_num_seqs=args.max_num_seqs,
-                      max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=512 * 2**20,
+                      max_num_batched_tokens=budget, kv_cache_memory_bytes=512 * 2**20,
                       scheduling="mixed" if name == "mixed" else "prefill_first")
             result = serve(llm, trace, clock="wall", static=name == "static")
             assert result.num_output_tokens == num_output
             runs[name].append(summarize(result, config))
-        matmul.append(dense_matmul_flops_per_s(config, args.max_num_batched_tokens))
+        matmul.append(dense_matmul_flops_per_s(config, budget))
     peak = statistics.median(matmul)
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
-    print(f"  dense matmul [{args.max_num_batched_tokens}, {config.hidden_size}] x "
+    print(f"  dense matmul [{budget}, {config.hidden_size}] x "
           f"[{config.hidden_size}, {config.intermediate_size}]: {peak / 1e9:.1f} GFLOP/s "
           f"({torch.get_num_threads()} thread(s))")
     print(f"  {'policy':14s} {'steps':>6s} {'tok/s':>7s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
@@ -176,7 +182,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--rate", type=float, default=2.0, help="arrivals per second (Poisson)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=256)
+    ap.add_argument("--budgets", default="128,256", help="max_num_batched_tokens values, each a separate part-1 run")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--swap-repeats", type=int, default=3)
@@ -192,7 +198,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = build_random_checkpoint(Path(tmp) / "bench-qwen3", seed=args.seed, vocab_size=args.vocab_size)
         if not args.skip_policies:
-            policies(args, path)
+            for budget in (int(b) for b in args.budgets.split(",")):
+                policies(args, path, budget)
         if not args.skip_swap:
             swap_part(args, path, tmp)
 
