@@ -17,6 +17,7 @@ from course_pkg.block import Block
 from course_pkg.block_manager import BlockManager, NoFreeBlocksError
 from course_pkg.scheduler import Scheduler
 from course_pkg.sequence import Sequence
+from course_pkg.swap import CpuBlockPool
 
 
 # ---------------------------------------------------------------- chapter 01: Block.reset
@@ -387,3 +388,34 @@ def kv_block_bytes_one_layer(block_size: int, num_layers: int, num_kv_heads: int
 def fragmentation_modulo(num_tokens: list[int], block_size: int) -> int:
     """``block_size - n % block_size`` per sequence: a full last block counted as empty."""
     return sum(block_size - n % block_size for n in num_tokens)
+
+
+# ---------------------------------------------------------------- chapter 09: the CPU block pool
+
+class ReleaseToHeadCpuBlockPool(CpuBlockPool):
+    """Returns released blocks to the *head* of the free queue: the order of block ids changes."""
+
+    def release(self, seq_id: int) -> None:
+        block_ids, _ = self.swapped.pop(seq_id)
+        self.free_block_ids.extendleft(reversed(block_ids))
+
+
+class NoRoomCheckCpuBlockPool(CpuBlockPool):
+    """Takes blocks without checking there are enough: a refused swap-out has already taken some."""
+
+    def swap_out(self, seq_id: int, num_blocks: int, num_computed_tokens: int) -> list[int]:
+        block_ids = []
+        for _ in range(num_blocks):
+            if not self.free_block_ids:
+                raise ValueError(f"sequence {seq_id}: no free CPU block left")
+            block_ids.append(self.free_block_ids.popleft())
+        self.swapped[seq_id] = (block_ids, num_computed_tokens)
+        return block_ids
+
+
+class ReleaseKeepsEntryCpuBlockPool(CpuBlockPool):
+    """Frees the blocks but keeps the sequence's entry: it still looks swapped out, and its
+    stale block table points at blocks another sequence may take."""
+
+    def release(self, seq_id: int) -> None:
+        self.free_block_ids.extend(self.swapped[seq_id][0])

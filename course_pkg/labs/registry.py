@@ -126,6 +126,17 @@ _LABS = [
         ("course_pkg.block_manager:BlockManager.fork", "course_pkg.block_manager:BlockManager._needs_copy_on_write",
          "course_pkg.block_manager:BlockManager.may_append"),
         task="`BlockManager.fork` and `may_append` with copy-on-write"),
+    Lab("cpu_pool", "The CPU block pool: swap out and release", 9,
+        "block ids and free-queue order by hand; can_swap_out at the edge; a refused swap-out changes "
+        "nothing; 3000 random operations in lockstep with the package's pool; the engine swapping with "
+        "your pool gives the same tokens",
+        "course_pkg.swap:CpuBlockPool", f"{_S}:StudentCpuBlockPool", f"{_G}.swap:grade_cpu_pool",
+        {"release to the head": f"{_M}:ReleaseToHeadCpuBlockPool",
+         "no room check": f"{_M}:NoRoomCheckCpuBlockPool",
+         "release keeps the entry": f"{_M}:ReleaseKeepsEntryCpuBlockPool"},
+        ("course_pkg.swap:CpuBlockPool.can_swap_out", "course_pkg.swap:CpuBlockPool.swap_out",
+         "course_pkg.swap:CpuBlockPool.release"),
+        task="`CpuBlockPool.can_swap_out`, `swap_out` and `release`"),
     Lab("kv_block_bytes", "Bytes of one KV block", 7,
         "hand-computed sizes (Qwen3-0.6B, Llama-3-8B, odd shapes) and the bytes a ModelRunner allocates per block",
         "course_pkg.labs.arithmetic:kv_block_bytes", f"{_S}:student_kv_block_bytes",

@@ -15,6 +15,7 @@ from course_pkg.block import Block
 from course_pkg.block_manager import BlockManager
 from course_pkg.scheduler import Scheduler
 from course_pkg.sequence import Sequence
+from course_pkg.swap import CpuBlockPool
 
 
 # ---------------------------------------------------------------- chapter 01
@@ -208,3 +209,24 @@ def student_internal_fragmentation(num_tokens: list[int], block_size: int) -> in
     """Lab ``fragmentation``: token slots allocated but empty when each sequence holds
     ``num_tokens[i]`` tokens in blocks of ``block_size``."""
     ...
+
+
+# ---------------------------------------------------------------- chapter 09
+
+class StudentCpuBlockPool(CpuBlockPool):
+    """Lab ``cpu_pool``: the second allocator that preemption by swapping needs."""
+
+    def can_swap_out(self, num_blocks: int) -> bool:
+        """Are ``num_blocks`` CPU blocks free?"""
+        ...
+
+    def swap_out(self, seq_id: int, num_blocks: int, num_computed_tokens: int) -> list[int]:
+        """Take ``num_blocks`` blocks from the head of ``self.free_block_ids`` for ``seq_id`` and
+        record them, with ``num_computed_tokens``, in ``self.swapped[seq_id]`` (a tuple: block
+        ids in logical order, tokens). Return the block ids. Raise ``ValueError`` -- and change
+        nothing -- if ``seq_id`` is swapped out already or too few blocks are free."""
+        ...
+
+    def release(self, seq_id: int) -> None:
+        """Forget ``seq_id`` and return its blocks to the tail of the free queue, in order."""
+        ...
