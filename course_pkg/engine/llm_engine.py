@@ -208,6 +208,11 @@ class LLMEngine:
     :mod:`course_pkg.distributed`): this process is rank 0 and keeps the one scheduler;
     ``self.model`` is then rank 0's shard, and the byte budget is per rank. Call ``close()``
     (or use ``with LLM(...) as llm:``) to stop the worker processes.
+
+    Chapter 09's options, passed to the Scheduler: ``scheduling`` ("prefill_first" or
+    "mixed"), ``preemption_mode`` ("recompute" or "swap", with ``num_cpu_blocks`` blocks of
+    host memory; not with tensor parallelism) and ``same_step_prefix_hits``. The metrics are
+    also kept in a Prometheus registry, ``self.metrics_registry``, under vLLM's names.
     """
 
     def __init__(self, model: str | Path | None = None, *, block_size: int = 16,
