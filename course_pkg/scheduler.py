@@ -211,6 +211,7 @@ class Scheduler:
         """Free ``seq``'s blocks and put it first in line; it is recomputed on readmission."""
         seq.status = SequenceStatus.WAITING
         seq.num_scheduled_tokens = 0
+        seq.num_preemptions += 1
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
         self.preempted.append(seq)

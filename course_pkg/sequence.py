@@ -45,6 +45,7 @@ class Sequence:
         self.num_prompt_tokens = len(token_ids)
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0
+        self.num_preemptions = 0  # times the scheduler sent it back to waiting
         self.block_table: list[int] = []
         # Chained hashes of the leading full blocks whose K/V are computed and registered.
         self.block_hashes: list[int] = []
