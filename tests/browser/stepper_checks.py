@@ -54,13 +54,21 @@ _READ_JS = """async (box) => {
 }"""
 
 
-# True once the figure's bytes hash to the expected SHA-256 (awaited by page.wait_for_function).
-_FIGURE_IS_JS = """async ([box, sha]) => {
+# True once the figure's bytes hash to the expected SHA-256. page.wait_for_function needs a
+# synchronous predicate (a Promise would count as "true" at once), so each poll starts hashing
+# the current image if it has not been hashed yet and compares the hash when it is ready.
+_FIGURE_IS_JS = """([box, sha]) => {
     const img = box.querySelector('img.stepper-figure') || box.querySelector('.stepper-figure img');
     if (!img || !img.src) return false;
-    const buf = await (await fetch(img.src)).arrayBuffer();
-    const digest = new Uint8Array(await crypto.subtle.digest('SHA-256', buf));
-    return Array.from(digest).map(b => b.toString(16).padStart(2, '0')).join('') === sha;
+    const memo = box.__courseFigure;
+    if (!memo || memo.src !== img.src) {
+        const entry = {src: img.src, sha: null};
+        box.__courseFigure = entry;
+        fetch(img.src).then(r => r.arrayBuffer()).then(buf => crypto.subtle.digest('SHA-256', buf))
+            .then(d => { entry.sha = Array.from(new Uint8Array(d)).map(b => b.toString(16).padStart(2, '0')).join(''); });
+        return false;
+    }
+    return memo.sha === sha;
 }"""
 
 
@@ -108,7 +116,8 @@ class StepperOnPage:
             expect(label).to_contain_text(want["label"])
             expect(self.box.locator(".stepper-text pre")).to_have_text(want["text"])
             expect(self.box.locator(".stepper-slider .widget-readout")).to_have_text(str(index))
-            self.page.wait_for_function(_FIGURE_IS_JS, arg=[self.box.element_handle(), want["png_sha256"]])
+            self.page.wait_for_function(_FIGURE_IS_JS, arg=[self.box.element_handle(), want["png_sha256"]],
+                                        polling=100)
         except (AssertionError, PlaywrightError):
             pass  # reported below, with every difference at once
         problems = shows_step(self.read(), self.steps, index)
