@@ -1,8 +1,8 @@
 """A physical KV-cache block: the unit the BlockManager hands out (chapter 01).
 
 A block is a fixed-size slot in the KV cache that holds the keys and values of
-``block_size`` tokens. This object is only its *bookkeeping*: the KV tensors live in the
-ModelRunner (chapter 06), which finds a block's memory by its ``block_id``.
+``block_size`` tokens. This object is only its *bookkeeping*: the KV tensors live elsewhere,
+and whoever owns them finds a block's memory by its ``block_id``.
 """
 from __future__ import annotations
 
@@ -14,20 +14,27 @@ class Block:
     >1 = shared by several sequences (a common prefix). ``hash`` is the content
     fingerprint under which the block is registered for prefix caching (-1 = not
     registered); ``token_ids`` are the tokens it holds, kept to confirm a hash hit.
+    ``prefix_id`` names, exactly, the whole token prefix that ends with this block, and
+    ``parent_prefix_id`` the prefix before it (-1: none; chapter 04 explains why the hash
+    alone is not trusted).
     """
 
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "prefix_id", "parent_prefix_id")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash = -1
         self.token_ids: list[int] = []
+        self.prefix_id = -1
+        self.parent_prefix_id = -1
 
-    def update(self, hash: int, token_ids: list[int]) -> None:
-        """Register the block's content: its chained hash and the tokens it holds."""
+    def update(self, hash: int, token_ids: list[int], prefix_id: int = -1, parent_prefix_id: int = -1) -> None:
+        """Register the block's content: its chained hash, its tokens, its exact prefix."""
         self.hash = hash
         self.token_ids = list(token_ids)
+        self.prefix_id = prefix_id
+        self.parent_prefix_id = parent_prefix_id
 
     def reset(self) -> None:
         """Prepare the block for new content.
@@ -38,6 +45,8 @@ class Block:
         self.ref_count = 1
         self.hash = -1
         self.token_ids = []
+        self.prefix_id = -1
+        self.parent_prefix_id = -1
 
     @property
     def is_free(self) -> bool:

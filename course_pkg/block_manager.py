@@ -1,8 +1,7 @@
 """The BlockManager: which physical blocks are free, who holds the rest (chapters 02-04).
 
-It manages block *numbers*, never tensors: the ModelRunner owns the KV cache and reads
-each sequence's ``block_table`` to find where a token's K/V live. Four structures hold
-all of the state:
+It manages block *numbers*, never tensors: whoever owns the KV cache reads each
+sequence's ``block_table`` to find where a token's K/V live. Four structures hold the state:
 
 * ``blocks``            -- every block's metadata, indexed by block id;
 * ``free_block_ids``    -- free blocks in FIFO order: allocate from the head, release to
@@ -13,6 +12,11 @@ all of the state:
 Invariants (tested after every call): free and used partition all blocks; a block is in
 the free queue at most once; the sum of ref counts equals the number of block-table
 entries of live sequences; every index entry points at a block that carries that hash.
+
+Two guards sit beside the four structures and change no decision of a correct program:
+``_holders`` (the sequences this manager allocated, so ``deallocate`` can refuse any other)
+and ``_prefix_ids`` (exact names for the token prefixes that registered blocks end, so a
+prefix-cache hit never rests on the hash being free of collisions; see ``_match_prefix``).
 
 The free queue is a ``deque`` by default (chapters 02-03). ``free_queue="linked"`` swaps in
 the doubly linked ``FreeBlockQueue`` (chapter 03), which removes a revived block from the
@@ -32,6 +36,7 @@ import xxhash
 from course_pkg.block import Block
 from course_pkg.free_block_queue import FreeBlockQueue
 from course_pkg.sequence import Sequence
+from course_pkg.validation import check_bool, check_choice, check_positive_int, is_int
 
 FREE_QUEUES = ("deque", "linked")
 
@@ -68,8 +73,7 @@ class PrefixCacheStats:
     """
 
     def __init__(self, max_recent_requests: int = 1000):
-        if not isinstance(max_recent_requests, int) or max_recent_requests < 1:
-            raise ValueError(f"max_recent_requests must be an integer >= 1, got {max_recent_requests!r}")
+        check_positive_int("max_recent_requests", max_recent_requests)
         self.max_recent_requests = max_recent_requests
         self.requests = 0
         self.queries = 0
@@ -123,14 +127,12 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  free_queue: str = "deque", max_recent_requests: int = 1000):
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if free_queue not in FREE_QUEUES:
-            raise ValueError(f"free_queue must be one of {FREE_QUEUES}, got {free_queue!r}")
+        check_positive_int("num_blocks", num_blocks)
+        check_positive_int("block_size", block_size)
+        check_bool("enable_prefix_caching", enable_prefix_caching)
+        check_choice("free_queue", free_queue, FREE_QUEUES)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.free_queue = free_queue
         self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
         # Both kinds offer popleft / append / remove / len / iteration head -> tail.
         self.free_block_ids: deque[int] | FreeBlockQueue = (
@@ -138,6 +140,11 @@ class BlockManager:
         self.used_block_ids: set[int] = set()
         self.hash_to_block_id: dict[int, int] = {}
         self.prefix_cache_stats = PrefixCacheStats(max_recent_requests)
+        # The guards (see the module docstring): seq_id -> the Sequence object that holds
+        # blocks; (parent prefix id, block tokens) -> [prefix id, blocks carrying it].
+        self._holders: dict[int, Sequence] = {}
+        self._prefix_ids: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+        self._next_prefix_id = 0
 
     # The hash function is reachable from the manager, as in Nano-vLLM.
     compute_hash = staticmethod(compute_hash)
@@ -168,23 +175,61 @@ class BlockManager:
 
         Only full blocks are candidates, and never the block holding the prompt's last
         token: at least one token must be computed to produce the next token's logits.
-        A hash hit counts only if the block still holds the same tokens (a collision, or a
-        block whose content changed, falls back to a fresh block).
+        The hash only *finds* a candidate; ``_confirms_hit`` decides. A collision -- another
+        prefix with the same chained hash -- falls back to a fresh block.
         """
         block_ids: list[int] = []
         hashes: list[int] = []
         if not self.enable_prefix_caching:
             return block_ids, hashes
         h = -1
+        parent_prefix_id = -1
         for i in range((seq.num_tokens - 1) // self.block_size):
             token_ids = seq.block(i)
             h = self.compute_hash(token_ids, h)
             block_id = self.hash_to_block_id.get(h, -1)
-            if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
+            if block_id == -1 or not self._confirms_hit(self.blocks[block_id], token_ids, parent_prefix_id):
                 break
             block_ids.append(block_id)
             hashes.append(h)
+            parent_prefix_id = self.blocks[block_id].prefix_id
         return block_ids, hashes
+
+    def _confirms_hit(self, block: Block, token_ids: list[int], parent_prefix_id: int) -> bool:
+        """Does ``block`` hold these tokens right after the prefix matched so far?
+
+        Comparing the block's own tokens is not enough: two different prefixes can end in the
+        same block of tokens, and if their chained hashes collide the block's K/V belong to
+        the other prefix. The parent's prefix id closes that gap: ids are exact (see
+        ``_prefix_id_for``), so equal ids mean the very same tokens from position 0 on.
+        """
+        return block.token_ids == token_ids and block.parent_prefix_id == parent_prefix_id
+
+    def _prefix_id_for(self, parent_prefix_id: int, token_ids: list[int]) -> int:
+        """The exact id of "prefix ``parent_prefix_id`` followed by ``token_ids``"; counts one
+        more block carrying it.
+
+        A dict lookup compares keys by equality after their hash matches, so unlike
+        ``hash_to_block_id`` this cannot mistake one prefix for another. Ids are never reused;
+        an entry lives while some block carries that prefix.
+        """
+        key = (parent_prefix_id, tuple(token_ids))
+        entry = self._prefix_ids.get(key)
+        if entry is None:
+            entry = self._prefix_ids[key] = [self._next_prefix_id, 0]
+            self._next_prefix_id += 1
+        entry[1] += 1
+        return entry[0]
+
+    def _forget_prefix_id(self, block: Block) -> None:
+        """``block`` is about to lose its content: one block fewer carries its prefix."""
+        if block.prefix_id == -1:
+            return
+        key = (block.parent_prefix_id, tuple(block.token_ids))
+        entry = self._prefix_ids[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._prefix_ids[key]
 
     def _num_new_blocks(self, seq: Sequence, hit_block_ids: list[int]) -> int:
         """Free blocks an allocation takes: fresh blocks plus cache hits revived from the free queue."""
@@ -195,6 +240,7 @@ class BlockManager:
         """Take the block at the head of the free queue for new content."""
         block = self.blocks[self.free_block_ids.popleft()]
         self._maybe_evict_cached_block(block)
+        self._forget_prefix_id(block)
         block.reset()
         self.used_block_ids.add(block.block_id)
         return block
@@ -213,6 +259,15 @@ class BlockManager:
         self.used_block_ids.remove(block.block_id)
         self.free_block_ids.append(block.block_id)
 
+    def _check_holder(self, seq: Sequence) -> None:
+        """Refuse a sequence that does not hold blocks of this manager right now."""
+        self._check_block_size(seq)
+        if not seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id} holds no blocks; allocate it first")
+        if self._holders.get(seq.seq_id) is not seq:
+            raise ValueError(f"sequence {seq.seq_id} was not allocated by this BlockManager, or was "
+                             f"already released (a copy of a sequence is not the sequence)")
+
     # ---------------------------------------------------------------- public calls
 
     def can_allocate(self, seq: Sequence) -> int:
@@ -228,18 +283,22 @@ class BlockManager:
 
         ``num_cached_blocks`` is what ``can_allocate`` returned (or fewer -- but fewer hits
         mean more fresh blocks, which may not fit: then ``NoFreeBlocksError`` is raised and
-        nothing changes). New blocks are not registered in the index here: their K/V are not
-        computed yet (see ``hash_blocks``). The request's prefix-cache query and hits are
-        counted in ``prefix_cache_stats`` (also when caching is off, with zero hits, so that
-        runs with and without caching compare).
+        nothing changes; -1, "does not fit", raises it too). New blocks are not registered in
+        the index here: their K/V are not computed yet (see ``hash_blocks``). The request's
+        prefix-cache query and hits are counted in ``prefix_cache_stats`` (also when caching is
+        off, with zero hits, so that runs with and without caching compare).
         """
         self._check_block_size(seq)
-        if seq.block_table:
+        if seq.block_table or seq.seq_id in self._holders:
             raise ValueError(f"sequence {seq.seq_id} already has blocks {seq.block_table}; "
                              "deallocate it before allocating again")
+        if num_cached_blocks == -1:
+            raise NoFreeBlocksError(f"sequence {seq.seq_id} does not fit: it needs {seq.num_blocks} blocks "
+                                    f"(fewer with cache hits), {len(self.free_block_ids)} of "
+                                    f"{self.num_blocks} are free (can_allocate returned -1)")
         hit_block_ids, hashes = self._match_prefix(seq)
-        if not 0 <= num_cached_blocks <= len(hit_block_ids):
-            raise ValueError(f"num_cached_blocks={num_cached_blocks} but only {len(hit_block_ids)} "
+        if not is_int(num_cached_blocks) or not 0 <= num_cached_blocks <= len(hit_block_ids):
+            raise ValueError(f"num_cached_blocks={num_cached_blocks!r} but only {len(hit_block_ids)} "
                              f"leading blocks of sequence {seq.seq_id} are in the cache")
         hit_block_ids = hit_block_ids[:num_cached_blocks]
         needed = self._num_new_blocks(seq, hit_block_ids)
@@ -259,6 +318,7 @@ class BlockManager:
             seq.block_table.append(self._allocate_block().block_id)
         seq.block_hashes = hashes[:num_cached_blocks]
         seq.num_cached_tokens = num_cached_blocks * self.block_size
+        self._holders[seq.seq_id] = seq
         self.prefix_cache_stats.record(seq.num_tokens, seq.num_cached_tokens, preempted=seq.num_preemptions > 0)
 
     def can_append(self, seq: Sequence) -> bool:
@@ -269,19 +329,53 @@ class BlockManager:
         # A block is needed exactly when the newest token is the first of a new block. For a
         # table kept in sync that is (len(seq) - 1) % block_size == 0; counting the table
         # against num_blocks says the same and holds for every block_size >= 1.
-        self._check_block_size(seq)
-        if not seq.block_table:
-            raise ValueError(f"sequence {seq.seq_id} has no blocks; allocate it first")
-        return seq.num_blocks - len(seq.block_table)
+        self._check_holder(seq)
+        return seq.num_blocks - len(seq.block_table) + self._needs_copy_on_write(seq)
 
-    def may_append(self, seq: Sequence) -> None:
-        """Add a block to ``seq``'s table if its newest token starts a new block."""
+    def _needs_copy_on_write(self, seq: Sequence) -> bool:
+        """Does the newest token land in a last block that other sequences share? (Only forks
+        share a block that is not full: a prefix-cache hit is always a full block.)"""
+        return len(seq.block_table) == seq.num_blocks and self.blocks[seq.block_table[-1]].ref_count > 1
+
+    def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Give ``seq``'s newest token a place: a new block if it starts one, or -- copy-on-write
+        -- a private copy of a shared last block. Returns the copies to make, ``(src, dst)``
+        block ids (vLLM's ``blocks_to_copy``), for whoever owns the K/V tensors: the new block
+        must receive the shared one's K/V before this step writes into it.
+        """
         needed = self._blocks_to_append(seq)
         if needed > len(self.free_block_ids):
             raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {needed} free block(s), "
                                     f"{len(self.free_block_ids)} are free")
+        if self._needs_copy_on_write(seq):
+            shared = self.blocks[seq.block_table[-1]]
+            copy = self._allocate_block()
+            shared.ref_count -= 1           # still >= 1: the other sharers keep it
+            seq.block_table[-1] = copy.block_id
+            return [(shared.block_id, copy.block_id)]
         for _ in range(needed):
             seq.block_table.append(self._allocate_block().block_id)
+        return []
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let ``child`` share every block of ``parent`` -- the partly filled last one too.
+
+        ``child`` is a fresh copy of ``parent`` (``Sequence.fork``): same tokens, no blocks. Each
+        block's ref count rises by one; no block is copied now. A copy is made only when one
+        of the sharers writes into a shared block that is not full (``may_append``).
+        """
+        self._check_holder(parent)
+        self._check_block_size(child)
+        if child.block_table or child.seq_id in self._holders:
+            raise ValueError(f"sequence {child.seq_id} already has blocks; a fork target must have none")
+        if child.token_ids != parent.token_ids or child.num_cached_tokens != parent.num_cached_tokens:
+            raise ValueError(f"sequence {child.seq_id} is not a copy of sequence {parent.seq_id} "
+                             "(tokens or cached tokens differ); make it with parent.fork(index)")
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        self._holders[child.seq_id] = child
 
     def deallocate(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, last block first.
@@ -290,17 +384,13 @@ class BlockManager:
         prefix blocks last, so the prefix -- the part most likely shared by the next
         request -- is the last to be overwritten: the free queue acts as an LRU.
         """
-        self._check_block_size(seq)
-        if not seq.block_table:
-            raise ValueError(f"sequence {seq.seq_id} holds no blocks; nothing to deallocate")
-        if any(self.blocks[block_id].ref_count < 1 for block_id in seq.block_table):
-            raise ValueError(f"sequence {seq.seq_id}'s block table {seq.block_table} holds a free "
-                             "block: it was not allocated by this BlockManager, or was already released")
+        self._check_holder(seq)
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._deallocate_block(block)
+        del self._holders[seq.seq_id]
         seq.block_table.clear()
         seq.block_hashes.clear()
         seq.num_cached_tokens = 0
@@ -310,17 +400,22 @@ class BlockManager:
 
         Called after each step, once ``seq.num_cached_tokens`` counts the tokens whose K/V
         that step wrote. Registering at allocation instead would let another sequence "hit"
-        a block whose K/V do not exist yet.
+        a block whose K/V do not exist yet. Incremental: a call that was missed is made up by
+        the next one.
         """
         if not self.enable_prefix_caching:
             return
-        self._check_block_size(seq)
+        self._check_holder(seq)
         num_full = min(seq.num_cached_tokens // self.block_size, len(seq.block_table))
         h = seq.block_hashes[-1] if seq.block_hashes else -1
         for i in range(len(seq.block_hashes), num_full):
             token_ids = seq.block(i)
             h = self.compute_hash(token_ids, h)
             block = self.blocks[seq.block_table[i]]
-            block.update(h, token_ids)
+            if block.hash == h:   # shared with a fork that registered it already
+                seq.block_hashes.append(h)
+                continue
+            parent_prefix_id = self.blocks[seq.block_table[i - 1]].prefix_id if i else -1
+            block.update(h, token_ids, self._prefix_id_for(parent_prefix_id, token_ids), parent_prefix_id)
             self.hash_to_block_id[h] = block.block_id
             seq.block_hashes.append(h)

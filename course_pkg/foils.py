@@ -4,7 +4,10 @@ Each foil changes one decision of the real ``BlockManager`` and keeps everything
 experiment that serves the same workload with both measures exactly that decision:
 
 * ``ForwardReleaseBlockManager`` -- ``deallocate`` releases first block first (chapter 03);
-* ``UnguardedBlockManager``      -- no stale-entry guard when a cached block is reused (chapter 04).
+* ``UnguardedBlockManager``      -- no stale-entry guard when a cached block is reused (chapter 04);
+* ``TokenCheckBlockManager``     -- a hash hit is confirmed by the block's own tokens only, as in
+                                    Nano-vLLM, so a hash collision can hand out another prefix's
+                                    K/V (chapter 04).
 """
 from __future__ import annotations
 
@@ -36,6 +39,17 @@ class UnguardedBlockManager(BlockManager):
 
     def _maybe_evict_cached_block(self, block: Block) -> None:
         pass  # the real one deletes the block's index entry here
+
+
+class TokenCheckBlockManager(BlockManager):
+    """A BlockManager that confirms a hash hit by the block's own tokens only (chapter 04's foil).
+
+    That is Nano-vLLM's check. It is right as long as the chained hash never collides: two
+    prefixes that end in the same block of tokens are then told apart by their hashes alone.
+    """
+
+    def _confirms_hit(self, block: Block, token_ids: list[int], parent_prefix_id: int) -> bool:
+        return block.token_ids == token_ids  # the real one also compares the parent's prefix id
 
 
 def make_block_manager(num_blocks: int, block_size: int, *, release: str = "reversed",

@@ -1,7 +1,9 @@
-"""How one request is decoded: temperature, top-p, length."""
+"""How one request is decoded: temperature, top-p, length, seed."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from course_pkg.validation import INT64_MAX, INT64_MIN, check_bool, check_int, check_positive_int, check_real
 
 
 @dataclass(frozen=True)
@@ -9,7 +11,15 @@ class SamplingParams:
     """Per-request decoding settings, named as vLLM names them.
 
     ``temperature == 0`` means greedy decoding. ``ignore_eos`` keeps generating past the
-    end-of-sequence token until ``max_tokens`` (benchmarks use it for fixed lengths).
+    end-of-sequence token until ``max_tokens`` (benchmarks use it for fixed lengths). ``seed``
+    gives the request a random generator of its own (an integer that fits in int64, as torch's
+    generators require), so its tokens do not depend on the other requests in its batches.
+    ``n`` completions are sampled from one prompt (parallel sampling): the prompt is computed
+    once and shared; completion ``j`` draws from a generator seeded ``seed + j``, so it equals
+    the one-completion request with seed ``seed + j``.
+
+    Every field is checked when the object is made, strictly by type: ``ignore_eos="no"`` or
+    ``seed=1.0`` is refused rather than misread.
     """
 
     temperature: float = 1.0
@@ -17,11 +27,37 @@ class SamplingParams:
     max_tokens: int = 64
     ignore_eos: bool = False
     seed: int | None = None
+    n: int = 1
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        check_real("temperature", self.temperature, minimum=0.0)
+        check_real("top_p", self.top_p, minimum=0.0, maximum=1.0, min_inclusive=False)
+        check_positive_int("max_tokens", self.max_tokens)
+        check_bool("ignore_eos", self.ignore_eos)
+        check_positive_int("n", self.n)
+        if self.seed is not None:
+            check_int("seed", self.seed, minimum=INT64_MIN, maximum=INT64_MAX - (self.n - 1))
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """Beam search settings, named as vLLM's ``BeamSearchParams``.
+
+    ``beam_width`` hypotheses are kept per step; ``length_penalty`` divides a finished
+    hypothesis's log-probability by its generated length to this power when ranking them
+    (Hugging Face's rule); ``temperature`` must be 0 (deterministic beam search).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self):
+        check_positive_int("beam_width", self.beam_width)
+        check_positive_int("max_tokens", self.max_tokens)
+        check_bool("ignore_eos", self.ignore_eos)
+        if check_real("temperature", self.temperature, minimum=0.0) != 0.0:
+            raise ValueError(f"beam search here is deterministic: temperature must be 0, got {self.temperature!r}")
+        check_real("length_penalty", self.length_penalty)

@@ -1,4 +1,4 @@
-"""A request as the engine sees it: its tokens and its block table (chapters 01-02).
+"""A request, as the scheduler and the block manager see it: tokens and a block table (ch. 01-02).
 
 The sequence splits its tokens into *logical* blocks of ``block_size`` tokens: logical
 block ``i`` holds tokens ``[i * block_size, (i + 1) * block_size)``. ``block_table[i]`` is
@@ -10,19 +10,44 @@ from enum import Enum, auto
 from itertools import count
 
 from course_pkg.sampling_params import SamplingParams
+from course_pkg.validation import check_positive_int, check_token_ids
 
 
 class SequenceStatus(Enum):
+    """Where a request is in its life, named as vLLM's ``RequestStatus`` names it.
+
+    The Scheduler sets every status, and it alone decides why a request finished: the
+    end-of-sequence token (``FINISHED_STOPPED``), its length limit (``FINISHED_LENGTH_CAPPED``:
+    ``max_tokens`` or ``max_model_len``), or an abort (``FINISHED_ABORTED``).
+    """
+
     WAITING = auto()
     RUNNING = auto()
-    FINISHED = auto()
+    FINISHED_STOPPED = auto()
+    FINISHED_LENGTH_CAPPED = auto()
+    FINISHED_ABORTED = auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """vLLM's ``finish_reason``: "stop", "length", "abort", or None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+                   SequenceStatus.FINISHED_ABORTED: "abort"}
 
 
 class Sequence:
     """Token ids plus the bookkeeping the block manager and scheduler keep per request.
 
-    ``num_cached_tokens`` counts the leading tokens whose K/V are already in the cache
-    (prefix-cache hits plus tokens computed by earlier steps); ``num_scheduled_tokens`` is
+    ``num_cached_tokens`` counts the leading tokens whose K/V are in the cache now:
+    prefix-cache hits plus the tokens computed by earlier steps (it grows every step, and a
+    preemption sets it back to 0). Not to be confused with ``RequestOutput.num_cached_tokens``,
+    which is, as in vLLM, the prefix-cache hit at admission only. ``num_scheduled_tokens`` is
     how many tokens the current step computes. Each sequence knows its own ``block_size``.
     """
 
@@ -30,22 +55,24 @@ class Sequence:
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
                  block_size: int = 16):
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-        token_ids = list(token_ids)
+        check_positive_int("block_size", block_size)
+        token_ids = check_token_ids("token_ids", token_ids)
         if not token_ids:
             raise ValueError("a sequence needs at least one token (the prompt is empty)")
-        sampling_params = sampling_params or SamplingParams()
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        elif not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         self.seq_id = next(Sequence._ids)
         self.status = SequenceStatus.WAITING
         self.block_size = block_size
         self.token_ids = token_ids
-        self.last_token = token_ids[-1]
         self.num_tokens = len(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0
-        self.num_preemptions = 0  # times the scheduler sent it back to waiting
+        self.num_preemptions = 0
+        self.submitted = False  # handed to a Scheduler: a request is submitted once
         self.block_table: list[int] = []
         # Chained hashes of the leading full blocks whose K/V are computed and registered.
         self.block_hashes: list[int] = []
@@ -53,6 +80,37 @@ class Sequence:
         self.temperature = sampling_params.temperature
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
+        # Parallel sampling (chapter 08): completion ``index`` of request ``request_id``; the
+        # first completion is the request's own sequence, the others are forks of it.
+        self.request_id = self.seq_id
+        self.index = 0
+        self.parent: Sequence | None = None
+        self.children: list[Sequence] = []   # the forks of a parent, completions 1 .. n-1
+        self.cumulative_logprob = 0.0        # sum of the log-probabilities of its sampled tokens
+
+    def fork(self, index: int) -> "Sequence":
+        """A new sequence with this one's tokens and progress, as completion ``index`` of the
+        same request. Blocks are not copied here: ``BlockManager.fork`` shares them."""
+        child = Sequence.__new__(Sequence)
+        child.__dict__.update(self.__dict__)
+        child.seq_id = next(Sequence._ids)
+        child.token_ids = list(self.token_ids)
+        child.block_table = []
+        child.block_hashes = []
+        child.children = []
+        child.index = index
+        child.parent = self if self.parent is None else self.parent
+        return child
+
+    @property
+    def num_samples(self) -> int:
+        """Tokens to sample for this sequence in its next sampled step: ``n`` when it is a
+        request's first sequence about to sample its first token (it forks into ``n``
+        completions then), else 1."""
+        n = self.sampling_params.n
+        if n > 1 and self.parent is None and not self.children and self.num_completion_tokens == 0:
+            return n
+        return 1
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -62,7 +120,11 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
 
     @property
     def num_completion_tokens(self) -> int:
@@ -99,7 +161,6 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
-        self.last_token = token_id
         self.num_tokens += 1
 
     def __repr__(self) -> str:

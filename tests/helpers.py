@@ -1,26 +1,71 @@
-"""Shared test helpers: a full copy of a BlockManager's state, and its invariants."""
+"""Shared test helpers: admitting a sequence, a full copy of a BlockManager's state, its invariants."""
 from __future__ import annotations
 
 import importlib.util
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from course_pkg import BlockManager, Sequence
 
 
-def state(bm: BlockManager, seqs=()) -> tuple:
-    """Everything observable about the manager (and the sequences' bookkeeping), by value."""
-    return (
-        tuple((b.block_id, b.ref_count, b.hash, tuple(b.token_ids)) for b in bm.blocks),
-        tuple(bm.free_block_ids),
-        frozenset(bm.used_block_ids),
-        tuple(sorted(bm.hash_to_block_id.items())),
-        tuple((s.seq_id, tuple(s.block_table), tuple(s.block_hashes), s.num_cached_tokens, s.num_tokens)
-              for s in seqs),
+def admit(bm: BlockManager, seq, compute: bool = True) -> Sequence:
+    """Allocate ``seq`` (a Sequence, or token ids) with every cached block ``can_allocate``
+    offers; with ``compute``, then run its prefill step: every token is computed and the
+    blocks that became full are registered, as the scheduler's ``postprocess`` would."""
+    if not isinstance(seq, Sequence):
+        seq = Sequence(list(seq), block_size=bm.block_size)
+    num_cached_blocks = bm.can_allocate(seq)
+    assert num_cached_blocks >= 0, "test setup: the sequence does not fit"
+    bm.allocate(seq, num_cached_blocks)
+    if compute:
+        compute_all(bm, seq)
+    return seq
+
+
+def compute_all(bm: BlockManager, seq: Sequence) -> None:
+    """The model computed every token so far: register the blocks that became full."""
+    seq.num_cached_tokens = seq.num_tokens
+    bm.hash_blocks(seq)
+
+
+class ManagerState(NamedTuple):
+    """Everything observable about a manager and some sequences' bookkeeping, by value."""
+
+    blocks: tuple           # (block_id, ref_count, hash, token_ids) per block
+    free_queue: tuple       # head first
+    used: frozenset
+    hash_index: tuple       # sorted (hash, block_id) pairs
+    cache_stats: tuple      # prefix-cache (requests, queries, hits)
+    sequences: tuple        # (block_table, block_hashes, num_cached_tokens, num_tokens) per sequence
+
+
+def state(bm: BlockManager, seqs=()) -> ManagerState:
+    """A copy of the state: equal before and after a call exactly when the call changed nothing.
+
+    Sequence ids are left out, so two managers driven by the same trace (each with its own
+    Sequence objects) can be compared too.
+    """
+    stats = bm.prefix_cache_stats
+    return ManagerState(
+        blocks=tuple((b.block_id, b.ref_count, b.hash, tuple(b.token_ids)) for b in bm.blocks),
+        free_queue=tuple(bm.free_block_ids),
+        used=frozenset(bm.used_block_ids),
+        hash_index=tuple(sorted(bm.hash_to_block_id.items())),
+        cache_stats=(stats.requests, stats.queries, stats.hits),
+        sequences=tuple((tuple(s.block_table), tuple(s.block_hashes), s.num_cached_tokens, s.num_tokens)
+                        for s in seqs),
     )
 
 
 def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
+    """The pool's invariants for the sequences that hold blocks (``live``, all of them).
+
+    Free and used partition the pool; a block is free exactly when its ref count is 0 and
+    is in the free queue at most once; ref counts sum to the block-table entries of the live
+    sequences; every index entry points at a full block carrying that hash. With
+    ``live == []`` this says the whole pool is free again.
+    """
     n = len(bm.blocks)
     free = list(bm.free_block_ids)
     assert len(free) == len(set(free)), "a block is twice in the free queue"
@@ -32,10 +77,7 @@ def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
     entries = sum(len(s.block_table) for s in live)
     assert sum(b.ref_count for b in bm.blocks) == entries, "ref counts do not sum to block-table entries"
     for s in live:
-        counts = {}
-        for bid in s.block_table:
-            counts[bid] = counts.get(bid, 0) + 1
-        assert all(c == 1 for c in counts.values()), "a sequence holds the same block twice"
+        assert len(set(s.block_table)) == len(s.block_table), "a sequence holds the same block twice"
         assert len(s.block_table) == s.num_blocks
     for h, bid in bm.hash_to_block_id.items():
         block = bm.blocks[bid]

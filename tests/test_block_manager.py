@@ -6,17 +6,7 @@ import math
 import pytest
 
 from course_pkg import Block, BlockManager, NoFreeBlocksError, Sequence, compute_hash
-from tests.helpers import check_invariants, state
-
-
-def admit(bm: BlockManager, seq: Sequence) -> int:
-    """Allocate with every cached block can_allocate offers, then 'compute' the prompt."""
-    n = bm.can_allocate(seq)
-    assert n >= 0, "test setup: sequence does not fit"
-    bm.allocate(seq, n)
-    seq.num_cached_tokens = seq.num_tokens
-    bm.hash_blocks(seq)
-    return n
+from tests.helpers import admit, check_invariants, compute_all, state
 
 
 # ------------------------------------------------------------------ Block and Sequence
@@ -75,22 +65,21 @@ def test_block_needed_exactly_when_newest_token_starts_a_block(block_size):
         check_invariants(bm, [seq])
 
 
-def test_seed_one_liner_is_wrong_for_block_size_one():
-    # The seed's rule `len(seq) % block_size == 1` never fires when block_size == 1,
-    # yet with block_size 1 every new token needs a block.
-    def seed_rule(seq, block_size):
-        return len(seq) % block_size == 1
-
-    bm = BlockManager(num_blocks=8, block_size=1)
+def test_block_size_one_needs_a_block_for_every_token():
+    # The seed's rule `len(seq) % block_size == 1` never fires when block_size == 1: a manager
+    # built on it hands out no block on append and says can_append on a full pool.
+    bm = BlockManager(num_blocks=5, block_size=1)
     seq = Sequence([1], block_size=1)
     bm.allocate(seq)
     for t in range(2, 6):
         seq.append_token(t)
-        before = len(seq.block_table)
+        assert bm.can_append(seq)
         bm.may_append(seq)
-        took_block = len(seq.block_table) > before
-        assert took_block and not seed_rule(seq, 1), "every token needs a block; the one-liner says none"
-    assert len(seq.block_table) == len(seq) == 5
+    assert seq.block_table == [0, 1, 2, 3, 4] and bm.num_free_blocks == 0
+    seq.append_token(6)
+    assert not bm.can_append(seq)           # token 6 needs a sixth block; none is free
+    with pytest.raises(NoFreeBlocksError):
+        bm.may_append(seq)
 
 
 def test_can_append_equality_cases():
@@ -132,7 +121,8 @@ def test_shared_block_is_freed_only_by_its_last_holder():
     a = Sequence([1, 2, 3, 4, 5], block_size=2)
     admit(bm, a)
     b = Sequence([1, 2, 3, 4, 9], block_size=2)
-    assert admit(bm, b) == 2
+    assert bm.can_allocate(b) == 2
+    admit(bm, b)
     assert [bm.blocks[i].ref_count for i in a.block_table[:2]] == [2, 2]
     bm.deallocate(a)
     assert a.block_table == [] and all(bm.blocks[i].ref_count == 1 for i in b.block_table)
@@ -205,8 +195,7 @@ def test_stale_guard_keeps_an_entry_that_points_at_another_block():
         assert bm.can_allocate(s) == 0
         bm.allocate(s, 0)
     for s in (a, b):
-        s.num_cached_tokens = s.num_tokens
-        bm.hash_blocks(s)
+        compute_all(bm, s)
     h = bm.blocks[a.block_table[0]].hash
     assert bm.blocks[b.block_table[0]].hash == h
     assert bm.hash_to_block_id[h] == b.block_table[0]
@@ -275,8 +264,7 @@ def test_decoded_blocks_are_registered_and_reused():
     for t in (4, 5, 6):
         a.append_token(t)
         bm.may_append(a)
-        a.num_cached_tokens = a.num_tokens
-        bm.hash_blocks(a)
+        compute_all(bm, a)
     bm.deallocate(a)
     follow_up = Sequence([1, 2, 3, 4, 5, 6, 7], block_size=2)   # next turn contains the answer
     assert bm.can_allocate(follow_up) == 3
@@ -378,7 +366,7 @@ def test_deallocating_a_table_this_manager_did_not_hand_out_raises_and_changes_n
     copy = Sequence([1, 2, 3], block_size=2)
     copy.block_table = list(a.block_table)
     bm.deallocate(a)
-    _unchanged(bm, [a, copy], lambda: bm.deallocate(copy), ValueError, "holds a free block")
+    _unchanged(bm, [a, copy], lambda: bm.deallocate(copy), ValueError, "not allocated by this BlockManager")
     other = BlockManager(num_blocks=4, block_size=4)
     b = Sequence([1, 2, 3], block_size=2)
     bm.allocate(b)

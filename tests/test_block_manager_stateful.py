@@ -84,7 +84,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for bid in seq.block_table[before:]:
                 self.content[bid] = None
         else:
-            seq.token_ids.pop(); seq.num_tokens -= 1; seq.last_token = seq.token_ids[-1]
+            seq.token_ids.pop(); seq.num_tokens -= 1
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 100), chunk=st.integers(1, 8))
@@ -120,10 +120,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for seq in self.live:
             self.bm.deallocate(seq)
         self.live.clear()
-        check_invariants(self.bm, [])
-        assert sorted(self.bm.free_block_ids) == list(range(self.bm.num_blocks))
-        assert not self.bm.used_block_ids
-        assert all(b.ref_count == 0 for b in self.bm.blocks)
+        check_invariants(self.bm, [])   # with no live sequence: every block free, none used
 
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)

@@ -230,17 +230,25 @@ def test_step_info_describes_each_step():
         llm.get_sequence(rid)
 
 
-def test_generate_keeps_outputs_of_requests_it_did_not_submit(hf_model, prompts, monkeypatch):
-    """generate() steps the whole engine: a request queued with add_request, or left by an
-    interrupted generate, may finish inside it. Its output must wait in unclaimed_outputs."""
-    a, b, c = prompts[2], prompts[3], prompts[4]
+def test_generate_keeps_outputs_of_requests_it_did_not_submit(hf_model, prompts):
+    """generate() steps the whole engine: a request queued with add_request may finish inside
+    it. Its output must wait in unclaimed_outputs."""
+    a, b = prompts[2], prompts[3]
     llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=32, attention_backend="torch")
     rid_a = llm.add_request(a, SamplingParams(max_tokens=2, **GREEDY))
     [out_b] = llm.generate([b], SamplingParams(max_tokens=4, **GREEDY), use_tqdm=False)
     assert out_b.token_ids == hf_greedy(hf_model, b, 4)
     assert list(llm.unclaimed_outputs) == [rid_a]              # a finished during generate
     assert llm.unclaimed_outputs.pop(rid_a).token_ids == hf_greedy(hf_model, a, 2)
+    assert llm.is_finished()
 
+
+def test_an_interrupted_generate_aborts_its_requests_and_keeps_the_others(hf_model, prompts, monkeypatch):
+    """KeyboardInterrupt after a step: the requests generate submitted are aborted (blocks
+    freed), a request queued by someone else stays and finishes in a later generate."""
+    b, c, d = prompts[3], prompts[4], prompts[1]
+    llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=32, attention_backend="torch")
+    rid_d = llm.add_request(d, SamplingParams(max_tokens=3, **GREEDY))
     real_step = llm.step
 
     def step_then_interrupt():
@@ -251,12 +259,12 @@ def test_generate_keeps_outputs_of_requests_it_did_not_submit(hf_model, prompts,
     with pytest.raises(KeyboardInterrupt):
         llm.generate([c], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
     monkeypatch.undo()
-    assert llm.has_unfinished_requests()                        # c is still in the engine
-    [out_b2] = llm.generate([b], SamplingParams(max_tokens=4, **GREEDY), use_tqdm=False)
-    assert out_b2.token_ids == out_b.token_ids
-    [(rid_c, out_c)] = llm.unclaimed_outputs.items()
-    assert out_c.prompt_token_ids == c and out_c.token_ids == hf_greedy(hf_model, c, 2)
-    assert rid_c not in (rid_a, out_b.request_id, out_b2.request_id) and llm.is_finished()
+    assert list(llm.scheduler.waiting) + list(llm.scheduler.running) == [llm.get_sequence(rid_d)]
+    [out_b] = llm.generate([b], SamplingParams(max_tokens=4, **GREEDY), use_tqdm=False)
+    assert out_b.token_ids == hf_greedy(hf_model, b, 4)
+    [(rid, out_d)] = llm.unclaimed_outputs.items()
+    assert rid == rid_d and out_d.token_ids == hf_greedy(hf_model, d, 3)
+    assert llm.is_finished() and llm.block_manager.num_free_blocks == 32
 
 
 # ---------------------------------------------------------------- clear errors, nothing queued

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from course_pkg import BlockManager, NoFreeBlocksError, Sequence
 from course_pkg.free_block_queue import FreeBlockQueue
+from tests.helpers import admit, check_invariants, compute_all, state
 
 
 # ------------------------------------------------------------------ the queue alone
@@ -80,17 +81,6 @@ def test_matches_deque_under_random_operations(n, ops):
 
 # ------------------------------------------------------------------ two BlockManagers, one trace
 
-def _state(bm: BlockManager, seqs) -> tuple:
-    return (
-        tuple((b.block_id, b.ref_count, b.hash, tuple(b.token_ids)) for b in bm.blocks),
-        tuple(bm.free_block_ids),
-        frozenset(bm.used_block_ids),
-        tuple(sorted(bm.hash_to_block_id.items())),
-        tuple((tuple(s.block_table), s.num_cached_tokens, s.num_tokens) for s in seqs),
-        (bm.prefix_cache_stats.queries, bm.prefix_cache_stats.hits),
-    )
-
-
 # Prompts share a few prefixes so that hits, sharing and revivals of free blocks all happen.
 PREFIXES = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9, 9], [7, 7, 7, 7], []]
 
@@ -110,21 +100,15 @@ def test_linked_queue_gives_the_same_block_ids_as_the_deque(num_blocks, block_si
         for bm, seqs in zip(managers, live):
             if kind == "admit":
                 seq = Sequence(PREFIXES[a] + b or [0], block_size=block_size)
-                cached = bm.can_allocate(seq)
-                if cached == -1:
+                if bm.can_allocate(seq) == -1:
                     continue
-                bm.allocate(seq, cached)
-                # The step computes the whole prompt; its full blocks become cache entries.
-                seq.num_cached_tokens = seq.num_tokens
-                bm.hash_blocks(seq)
-                seqs.append(seq)
+                seqs.append(admit(bm, seq))   # with its prefill step: full blocks become cache entries
             elif kind == "step" and seqs:  # one decode token for one live sequence
                 seq = seqs[a % len(seqs)]
                 seq.append_token(b)
                 if bm.can_append(seq):
                     bm.may_append(seq)
-                    seq.num_cached_tokens = seq.num_tokens
-                    bm.hash_blocks(seq)
+                    compute_all(bm, seq)
                 else:  # preempt it: release everything, as the scheduler would
                     with pytest.raises(NoFreeBlocksError):
                         bm.may_append(seq)
@@ -132,12 +116,12 @@ def test_linked_queue_gives_the_same_block_ids_as_the_deque(num_blocks, block_si
                     seqs.remove(seq)
             elif kind == "finish" and seqs:
                 bm.deallocate(seqs.pop(a % len(seqs)))
-        assert _state(managers[0], live[0]) == _state(managers[1], live[1])
+        assert state(managers[0], live[0]) == state(managers[1], live[1])
     for bm, seqs in zip(managers, live):
         for seq in seqs:
             bm.deallocate(seq)
-    assert _state(managers[0], []) == _state(managers[1], [])
-    assert sorted(managers[1].free_block_ids) == list(range(num_blocks))
+    assert state(managers[0]) == state(managers[1])
+    check_invariants(managers[1], [])                 # the whole pool is free again
 
 
 def test_free_queue_choice_is_validated():

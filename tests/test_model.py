@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from course_pkg.kernels.reference import paged_attention_ref, store_kvcache_ref
 from course_pkg.models import (AttentionMetadata, build_random_checkpoint, copy_default_model,
                                default_model_path, load_model)
+from course_pkg.models.qwen3 import Qwen3ForCausalLM
 from course_pkg.models.attention import paged_attention_torch, store_kvcache_torch
 
 ATOL = 2e-4   # float32 logits of magnitude ~10-20 after a few layers; observed error ~1e-5
@@ -309,6 +311,100 @@ def test_loader_names_missing_and_misshapen_weights(tmp_path):
     weights[name] = weights[name][:, :-1].contiguous()
     save_file(weights, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match=f"{name} has shape"):
+        load_model(folder)
+
+
+def _edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture
+def no_allocation(monkeypatch):
+    """Make materialising a model fail loudly: a refusal must come before any memory is spent."""
+    def to_empty(self, *args, **kwargs):
+        raise AssertionError("the model was allocated before the checkpoint was checked")
+    monkeypatch.setattr(Qwen3ForCausalLM, "to_empty", to_empty)
+
+
+def test_a_checkpoint_split_over_two_files_loads_the_same_weights(tmp_path):
+    folder = copy_default_model(tmp_path / "m")
+    weights = load_file(str(folder / "model.safetensors"))
+    names = sorted(weights)
+    (folder / "model.safetensors").unlink()
+    save_file({k: weights[k] for k in names[::2]}, str(folder / "model-00001-of-00002.safetensors"))
+    save_file({k: weights[k] for k in names[1::2]}, str(folder / "model-00002-of-00002.safetensors"))
+    model, _, _ = load_model(folder)
+    params = dict(model.named_parameters())
+    assert sorted(params) == names
+    assert all(torch.equal(params[k], weights[k]) for k in names)
+
+
+def test_loader_refuses_a_tensor_stored_in_two_files_naming_both(tmp_path, no_allocation):
+    folder = copy_default_model(tmp_path / "m")
+    name = "model.norm.weight"
+    save_file({name: torch.zeros(128)}, str(folder / "extra.safetensors"))  # a stray second file
+    with pytest.raises(ValueError, match=f"'{name}' is in both .*extra.safetensors and .*model.safetensors"):
+        load_model(folder)
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.int64, "I64"), (torch.int32, "I32"), (torch.bool, "BOOL")])
+def test_loader_refuses_a_non_float_tensor_for_a_float_parameter(tmp_path, no_allocation, dtype, name):
+    folder = copy_default_model(tmp_path / "m")
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["model.norm.weight"] = torch.ones(128, dtype=dtype)    # the right shape, the wrong kind
+    save_file(weights, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"model.safetensors: model.norm.weight has dtype {name}"):
+        load_model(folder)
+
+
+@pytest.mark.parametrize("changes,tensor", [
+    ({"vocab_size": 10**12}, "model.embed_tokens.weight"),   # 512 TB if it were allocated
+    ({"intermediate_size": 512}, "model.layers.0.mlp.gate_proj.weight"),
+    ({"num_hidden_layers": 5, "layer_types": ["full_attention"] * 5}, None),
+])
+def test_loader_checks_shapes_against_config_before_allocating(tmp_path, no_allocation, changes, tensor):
+    folder = copy_default_model(tmp_path / "m")
+    _edit_config(folder, **changes)
+    match = f"{tensor} has shape" if tensor else r"missing \['model.layers.4."
+    with pytest.raises(ValueError, match=match):
+        load_model(folder)
+
+
+def test_loader_refuses_query_heads_not_a_multiple_of_kv_heads(tmp_path, hf_logging_quiet, no_allocation):
+    # A self-consistent checkpoint (transformers writes it happily): only the head ratio is wrong.
+    path = build_random_checkpoint(tmp_path / "gqa", **{**SMALL, "num_key_value_heads": 3})
+    with pytest.raises(ValueError, match=r"config.json: num_attention_heads \(4\) is not a multiple "
+                                         r"of num_key_value_heads \(3\)"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("field", ["num_key_value_heads", "head_dim", "vocab_size"])
+def test_loader_refuses_sizes_below_one(tmp_path, no_allocation, field):
+    folder = copy_default_model(tmp_path / "m")
+    _edit_config(folder, **{field: 0})
+    with pytest.raises(ValueError, match=f"config.json: {field} is 0; it must be >= 1"):
+        load_model(folder)
+
+
+@pytest.mark.parametrize("text,problem", [
+    ("[1, 2, 3]", "holds a JSON list"),
+    ('"qwen3"', "holds a JSON str"),
+    ('{"model_type": "qwen3",', "is not valid JSON"),
+    ("", "is not valid JSON"),
+])
+def test_loader_refuses_a_config_that_is_not_a_json_object_naming_the_file(tmp_path, text, problem):
+    folder = copy_default_model(tmp_path / "m")
+    (folder / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(str(folder / "config.json")) + " " + problem):
+        load_model(folder)
+
+
+def test_loader_refuses_a_file_that_is_not_safetensors_naming_it(tmp_path, no_allocation):
+    folder = copy_default_model(tmp_path / "m")
+    (folder / "notes.safetensors").write_bytes(b"these are not tensors")
+    with pytest.raises(ValueError, match="notes.safetensors is not a readable safetensors file"):
         load_model(folder)
 
 

@@ -11,34 +11,12 @@ import pytest
 
 from course_pkg import BlockManager, NoFreeBlocksError, Sequence
 from course_pkg.block_manager import PrefixCacheStats, compute_hash
-from course_pkg.foils import UnguardedBlockManager
-
-
-def admit(bm: BlockManager, tokens, compute: bool = True) -> Sequence:
-    """Admit a sequence with every cache hit, and (optionally) run its prefill step."""
-    seq = Sequence(list(tokens), block_size=bm.block_size)
-    cached = bm.can_allocate(seq)
-    assert cached >= 0, "test bug: the sequence does not fit"
-    bm.allocate(seq, cached)
-    if compute:
-        step(bm, seq)
-    return seq
-
-
-def step(bm: BlockManager, seq: Sequence) -> None:
-    """The model computed every token so far: register the blocks that became full."""
-    seq.num_cached_tokens = seq.num_tokens
-    bm.hash_blocks(seq)
+from course_pkg.foils import TokenCheckBlockManager, UnguardedBlockManager
+from tests.helpers import admit, compute_all, state
 
 
 def refs(bm: BlockManager) -> list[int]:
     return [b.ref_count for b in bm.blocks]
-
-
-def snapshot(bm: BlockManager) -> tuple:
-    return (tuple((b.ref_count, b.hash, tuple(b.token_ids)) for b in bm.blocks), tuple(bm.free_block_ids),
-            frozenset(bm.used_block_ids), tuple(sorted(bm.hash_to_block_id.items())),
-            bm.prefix_cache_stats.requests, bm.prefix_cache_stats.queries, bm.prefix_cache_stats.hits)
 
 
 @pytest.fixture(params=["deque", "linked"])
@@ -93,14 +71,14 @@ def test_a_hit_block_is_never_handed_out_again_by_the_same_allocation(free_queue
 def test_a_failed_allocation_changes_nothing(free_queue):
     bm = BlockManager(4, 2, free_queue=free_queue)
     admit(bm, [1, 2, 3, 4, 5])  # 3 blocks, 2 registered
-    before = snapshot(bm)
+    before = state(bm)
     b = Sequence([1, 2, 3, 4, 9, 9, 9, 9], block_size=2)  # 2 hits + 2 fresh, 1 free
     assert bm.can_allocate(b) == -1
     with pytest.raises(NoFreeBlocksError, match="needs 2 free blocks, 1 are free"):
         bm.allocate(b, 2)
     with pytest.raises(NoFreeBlocksError):
         bm.allocate(b, 0)
-    assert snapshot(bm) == before
+    assert state(bm) == before
     assert b.block_table == [] and b.num_cached_tokens == 0
 
 
@@ -161,11 +139,15 @@ def test_a_forced_collision_falls_back_to_a_fresh_block(monkeypatch):
     assert a.block_table == [0, 1]
 
 
+class UnguardedTokenCheckBlockManager(UnguardedBlockManager, TokenCheckBlockManager):
+    """Neither defence: no stale-entry guard, and hits confirmed by the block's tokens only."""
+
+
 def test_the_stale_entry_guard_and_the_wrong_hit_without_it():
     """Block content X = [5, 6] after prefix P = [1, 2] (request a), then the same content X
     after another prefix Q = [7, 8] (request c) in the very same physical block."""
     results = {}
-    for cls in (BlockManager, UnguardedBlockManager):
+    for cls in (BlockManager, UnguardedBlockManager, UnguardedTokenCheckBlockManager):
         bm = cls(4, 2)
         a = admit(bm, [1, 2, 5, 6, 9])
         assert a.block_table == [0, 1, 2]
@@ -181,9 +163,11 @@ def test_the_stale_entry_guard_and_the_wrong_hit_without_it():
         results[cls] = (h_px in bm.hash_to_block_id, bm.can_allocate(Sequence([1, 2, 5, 6, 4], block_size=2)))
     # The guard dropped P+X's entry when block 1 was handed out again: only P is a hit.
     assert results[BlockManager] == (False, 1)
-    # Without it the stale entry still points at block 1, whose tokens match: a wrong hit
-    # on K/V computed after Q.
-    assert results[UnguardedBlockManager] == (True, 2)
+    # Without it the stale entry still points at block 1, whose tokens match; the exact check
+    # sees that block 1 follows Q, not P, and refuses the hit.
+    assert results[UnguardedBlockManager] == (True, 1)
+    # Without both defences it is a wrong hit, on K/V computed after Q.
+    assert results[UnguardedTokenCheckBlockManager] == (True, 2)
 
 
 def test_same_prompt_admitted_in_the_same_step_and_the_guard_keeps_other_blocks_entries(free_queue):
@@ -195,8 +179,8 @@ def test_same_prompt_admitted_in_the_same_step_and_the_guard_keeps_other_blocks_
     a = admit(bm, [1, 2, 3, 4, 5], compute=False)
     b = admit(bm, [1, 2, 3, 4, 5], compute=False)
     assert b.num_cached_tokens == 0 and a.block_table == [0, 1, 2] and b.block_table == [3, 4, 5]
-    step(bm, a)
-    step(bm, b)
+    compute_all(bm, a)
+    compute_all(bm, b)
     h1 = compute_hash([1, 2])
     h2 = compute_hash([3, 4], h1)
     assert bm.hash_to_block_id == {h1: 3, h2: 4}  # the later registration wins
@@ -224,7 +208,7 @@ def test_decoded_blocks_are_reused_by_the_next_turn_of_a_chat():
     for t in (50, 51, 52, 53):  # decode: the 2nd block fills with 4, 5, 50, 51
         turn1.append_token(t)
         bm.may_append(turn1)
-        step(bm, turn1)
+        compute_all(bm, turn1)
     assert len(bm.hash_to_block_id) == 2  # the prompt block and the decoded block
     bm.deallocate(turn1)
     turn2 = admit(bm, list(range(6)) + [50, 51, 52, 53, 60, 61, 62], compute=False)

@@ -256,6 +256,30 @@ def test_preemption_by_recompute_when_decode_cannot_get_a_block():
     assert outputs[b.seq_id] == reference([5, 6, 7], 3, True)
 
 
+def test_admission_is_first_come_first_served_a_later_request_never_overtakes_the_head():
+    # 6 blocks of 2 tokens. a runs and grows to 4 blocks; head needs 5 for its prompt, so it
+    # must wait until a finishes. small needs 1 and would fit at once -- but it came later.
+    sched = Scheduler(6, 2, max_num_batched_tokens=64)
+    a = make_seq([1, 2, 3, 4], 5, bs=2)
+    sched.add(a)
+    runner = FakeRunner(sched)
+    seqs, _ = sched.schedule()
+    sched.postprocess(seqs, runner.run(seqs))
+    head, small = make_seq(list(range(10, 20)), 2, bs=2), make_seq([40], 2, bs=2)
+    sched.add(head)
+    sched.add(small)
+    assert sched.block_manager.num_free_blocks >= 2        # room for small, not for head
+    seqs, is_prefill = sched.schedule()
+    assert not is_prefill and seqs == [a]                  # a decodes; nobody is admitted
+    assert list(sched.waiting) == [head, small] and small.block_table == []
+    outputs, log = run_to_end(sched, runner)
+    def first_step(seq):       # the step that first scheduled it, counted after the check above
+        return next(i for i, (_, batch) in enumerate(log) if seq.seq_id in {e[0] for e in batch})
+    assert first_step(small) >= first_step(head)
+    for seq in (a, head, small):
+        assert outputs[seq.seq_id] == reference(seq.prompt_token_ids, seq.max_tokens, True)
+
+
 def test_max_num_seqs_limits_the_running_batch():
     sched = Scheduler(64, 4, max_num_seqs=2, max_num_batched_tokens=64)
     seqs_in = [make_seq([i + 1, i + 2], 3) for i in range(5)]

@@ -136,11 +136,15 @@ def test_every_recorded_snapshot_equals_the_state_right_after_its_call(ops, bloc
             del live[slot]
             expected.append(state(bm))
     assert len(rec.snapshots) == len(expected)
-    for snap, (blocks, free, used, index, _) in zip(rec.snapshots, expected):
-        assert tuple(dataclasses.astuple(b) for b in snap.blocks) == blocks
-        assert snap.free_queue == free and set(snap.used) == used
-        assert tuple(sorted(snap.hash_index)) == index
-        assert render_text(snap) == render_text(dataclasses.replace(snap))  # a pure function
+    for snap, real in zip(rec.snapshots, expected):
+        assert tuple(dataclasses.astuple(b) for b in snap.blocks) == real.blocks
+        assert snap.free_queue == real.free_queue and set(snap.used) == real.used
+        assert tuple(sorted(snap.hash_index)) == real.hash_index
+        # The text's free queue is the real one, head first, starring exactly the blocks the
+        # real index still points at.
+        index = dict(real.hash_index)
+        queue = " ".join(f"{b}*" if index.get(real.blocks[b][2]) == b else str(b) for b in real.free_queue)
+        assert f"free queue (head -> tail, * = still cached): {queue or '(empty)'}" in render_text(snap).splitlines()
         rows = text_rows(render_text(snap))
         for b in snap.blocks:
             if b.ref_count or b.hash != -1:

@@ -1,8 +1,8 @@
 """The engine (chapter 06): ModelRunner (KV tensor, slot mappings), Sampler, LLMEngine, LLM."""
 from course_pkg.engine.llm import LLM
-from course_pkg.engine.llm_engine import EngineMetrics, LLMEngine, RequestMetrics, RequestOutput, StepInfo
+from course_pkg.engine.llm_engine import CompletionOutput, EngineMetrics, LLMEngine, RequestMetrics, RequestOutput, StepInfo
 from course_pkg.engine.model_runner import ModelRunner
 from course_pkg.engine.sampler import Sampler
 
-__all__ = ["LLM", "LLMEngine", "EngineMetrics", "RequestMetrics", "RequestOutput", "StepInfo",
+__all__ = ["LLM", "LLMEngine", "CompletionOutput", "EngineMetrics", "RequestMetrics", "RequestOutput", "StepInfo",
            "ModelRunner", "Sampler"]

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
 
+from course_pkg.engine.beam_search import BeamSearchOutput, beam_search_one
 from course_pkg.engine.llm_engine import LLMEngine, RequestOutput
-from course_pkg.sampling_params import SamplingParams
+from course_pkg.sampling_params import BeamSearchParams, SamplingParams
+from course_pkg.validation import check_bool
 
 
 def _as_prompt_list(prompts) -> list:
@@ -50,8 +52,13 @@ class LLM(LLMEngine):
 
         Every prompt is validated before any is queued, so a bad prompt raises
         ``ValueError`` and leaves the engine exactly as it was. Other requests that finish
-        meanwhile go to ``self.unclaimed_outputs``.
+        meanwhile go to ``self.unclaimed_outputs``. If a step raises (or the run is
+        interrupted), the requests this call submitted are aborted -- their blocks freed --
+        and the exception propagates; outputs it had already received go to
+        ``self.unclaimed_outputs``, so nothing finished is lost. Not thread-safe: a second
+        thread calling in meanwhile gets a ``RuntimeError``.
         """
+        check_bool("use_tqdm", use_tqdm)
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -62,30 +69,70 @@ class LLM(LLMEngine):
                             f"got {type(sampling_params).__name__}")
         elif len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
-        seqs = []
-        for i, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
+        with self._exclusive():
+            seqs = []
+            for i, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
+                try:
+                    seqs.append(self.make_sequence(prompt, sp))
+                except (ValueError, TypeError) as e:
+                    raise type(e)(f"prompt {i}: {e}") from None
+            ids = self._add_all(seqs, prompts)
+            pending = set(ids)
+            outputs: dict[int, RequestOutput] = {}
+            bar = None
+            if use_tqdm:
+                from tqdm.auto import tqdm
+                bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True)
             try:
-                seqs.append(self.make_sequence(prompt, sp))
-            except (ValueError, TypeError) as e:
-                raise type(e)(f"prompt {i}: {e}") from None
-        ids = [self._add(seq, prompt) for seq, prompt in zip(seqs, prompts)]
-        pending = set(ids)
-        outputs: dict[int, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True)
-        try:
-            while pending:
-                for out in self.step():
-                    if out.request_id in pending:
-                        pending.discard(out.request_id)
-                        outputs[out.request_id] = out
-                        if bar is not None:
-                            bar.update(1)
-                    else:                                   # someone else's request
-                        self.unclaimed_outputs[out.request_id] = out
-        finally:
-            if bar is not None:
-                bar.close()
-        return [outputs[i] for i in ids]
+                while pending:
+                    for out in self.step():
+                        if out.request_id in pending:
+                            pending.discard(out.request_id)
+                            outputs[out.request_id] = out
+                            if bar is not None:
+                                bar.update(1)
+                        else:                                   # someone else's request
+                            self.unclaimed_outputs[out.request_id] = out
+            except BaseException:
+                self._abandon(pending, outputs)
+                raise
+            finally:
+                if bar is not None:
+                    bar.close()
+            return [outputs[i] for i in ids]
+
+    def _abandon(self, pending: set[int], outputs: dict[int, RequestOutput]) -> None:
+        """After a failure: abort the requests still pending, keep the outputs received."""
+        for request_id in sorted(pending):
+            try:
+                self.abort_request(request_id)
+            except Exception:   # keep aborting the others; the original error is re-raised
+                pass
+        self.unclaimed_outputs.update(outputs)
+
+    def beam_search(self, prompts, params: BeamSearchParams, on_step=None) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (vLLM's ``LLM.beam_search``), one prompt after another.
+
+        The beams of a prompt are forked sequences that share their blocks; see
+        :mod:`course_pkg.engine.beam_search`. The engine must have no other requests (beam
+        search does not interleave with ``generate``). Every prompt is checked first: a prompt
+        whose ``beam_width`` beams could never fit in the pool together raises ``ValueError``
+        before anything runs.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        prompts = _as_prompt_list(prompts)
+        with self._exclusive():
+            if self.has_unfinished_requests():
+                raise RuntimeError("beam_search runs alone: finish or abort the queued requests first")
+            as_n = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True,
+                                  n=params.beam_width)
+            token_ids = []
+            for i, prompt in enumerate(prompts):
+                try:
+                    seq = self.make_sequence(prompt, as_n)   # a request of beam_width completions
+                    self.scheduler.check(seq)
+                except (ValueError, TypeError) as e:
+                    raise type(e)(f"prompt {i}: {e}") from None
+                token_ids.append(seq.token_ids)
+            return [beam_search_one(self, ids, params, on_step) for ids in token_ids]

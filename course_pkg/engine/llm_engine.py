@@ -6,15 +6,26 @@ It wires the three parts the earlier chapters built::
     step():  Scheduler.schedule()  -> seqs, is_prefill     (which tokens run now)
              ModelRunner.run(seqs) -> sampled tokens       (K/V written into the paged cache)
              Scheduler.postprocess -> finished sequences   (num_cached_tokens, hash_blocks, EOS)
+    abort_request(request_id)                              (blocks freed, finish_reason "abort")
 
 and keeps the numbers a serving system reports: per request the time to first token and the
 tokens the prefix cache provided; for the engine the counters vLLM exports under the same
 names (prefix-cache queries, hits and hit rate, KV cache usage, preemptions, tokens).
+
+Faults. If the model or the sampler raises, the step is undone (``Scheduler.unschedule``): no
+token is recorded and the same tokens are computed again by the next step. A finished
+request's output is handed out exactly once, by the first ``step()`` that can build it.
+
+Threads. One engine serves one thread at a time: a call from a second thread while another
+one is inside ``step``/``generate``/``add_request``/``abort_request`` raises ``RuntimeError``
+at once, instead of interleaving two callers' steps.
 """
 from __future__ import annotations
 
 import json
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -24,6 +35,7 @@ from course_pkg.engine.model_runner import ModelRunner
 from course_pkg.sampling_params import SamplingParams
 from course_pkg.scheduler import Scheduler
 from course_pkg.sequence import Sequence
+from course_pkg.validation import INT64_MAX, check_bool, check_int, check_positive_int, check_token_ids
 
 
 @dataclass
@@ -43,22 +55,51 @@ class RequestMetrics:
 
 
 @dataclass
+class CompletionOutput:
+    """One completion of a request (vLLM's ``CompletionOutput``): completion ``index`` of ``n``.
+
+    ``cumulative_logprob`` is the sum of the model's log-probabilities (``log_softmax`` of the
+    raw logits) of the completion's tokens.
+    """
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    cumulative_logprob: float
+    finish_reason: str
+
+
+@dataclass
 class RequestOutput:
     """What ``generate`` returns per prompt (names as in vLLM's ``RequestOutput``).
 
-    ``num_cached_tokens`` is how many prompt tokens the prefix cache provided when the
-    request was first admitted. ``finish_reason`` is ``"stop"`` (end-of-sequence token) or
-    ``"length"`` (``max_tokens`` or ``max_model_len`` reached).
+    ``outputs`` holds the request's ``n`` completions in index order; ``text``, ``token_ids``
+    and ``finish_reason`` are the first one's, so code written for ``n == 1`` reads them
+    directly. ``num_cached_tokens`` is how many prompt tokens the prefix cache provided when the
+    request was first admitted (not ``Sequence.num_cached_tokens``, which counts every token
+    computed so far). A ``finish_reason`` is ``"stop"`` (end-of-sequence token), ``"length"``
+    (``max_tokens`` or ``max_model_len`` reached) or ``"abort"`` (``abort_request``), as the
+    Scheduler decided it.
     """
 
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str | None
-    token_ids: list[int]
-    finish_reason: str
+    outputs: list[CompletionOutput]
     num_cached_tokens: int
     metrics: RequestMetrics
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
 
     def __getitem__(self, key: str):  # Nano-vLLM returns dicts: out["text"], out["token_ids"]
         return getattr(self, key)
@@ -90,8 +131,10 @@ class EngineMetrics:
 class StepInfo:
     """What one ``step()`` did: deterministic, printable, for notebooks and tests.
 
-    ``scheduled`` holds ``(request_id, first_position, num_tokens)`` per sequence,
-    ``sampled`` ``(request_id, token_id)``, ``preempted`` the requests sent back to waiting.
+    ``scheduled`` holds ``(seq_id, first_position, num_tokens)`` per sequence, ``sampled``
+    ``(seq_id, token_id)``, ``preempted`` the sequences sent back to waiting, ``finished`` the
+    requests handed out, ``copies`` the copy-on-write ``(src, dst)`` blocks copied before the
+    forward pass. (A request's first sequence has the request's id; its forks have their own.)
     """
 
     step: int
@@ -100,6 +143,7 @@ class StepInfo:
     sampled: tuple[tuple[int, int], ...]
     preempted: tuple[int, ...]
     finished: tuple[int, ...]
+    copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -135,21 +179,21 @@ class LLMEngine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, attention_backend: str = "auto",
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 seed: int = 0, free_queue: str = "deque"):
+                 seed: int = 0, free_queue: str = "linked"):
         from course_pkg.models import load_model
 
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        check_positive_int("block_size", block_size)
+        check_bool("enable_prefix_caching", enable_prefix_caching)
+        check_int("seed", seed, minimum=0, maximum=INT64_MAX)
         self.model, self.config, self.tokenizer = load_model(model, dtype=dtype, device=device)
         limit = self.config.max_position_embeddings
         if max_model_len is None:
             max_model_len = limit
-        elif not isinstance(max_model_len, int) or isinstance(max_model_len, bool) or not 1 < max_model_len <= limit:
-            raise ValueError(f"max_model_len must be an integer in [2, {limit}] "
-                             f"(the model's max_position_embeddings), got {max_model_len!r}")
+        else:
+            check_int("max_model_len", max_model_len, minimum=2, maximum=limit)
         self.max_model_len = max_model_len
         self.model_runner = ModelRunner(
             self.model, self.config, block_size=block_size, num_kvcache_blocks=num_kvcache_blocks,
@@ -164,7 +208,20 @@ class LLMEngine:
         self.block_size = block_size
         self.num_steps = 0
         self.last_step: StepInfo | None = None
-        self._requests: dict[int, _Request] = {}
+        self._requests: dict[int, _Request] = {}     # every request not yet handed out
+        self._ready: list[int] = []                  # requests whose every completion finished
+        self._lock = threading.RLock()
+
+    @contextmanager
+    def _exclusive(self):
+        """Hold the engine for this thread; another thread gets a RuntimeError at once."""
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("this engine is in use by another thread (step, generate, add_request or "
+                               "abort_request are running there); an engine serves one thread at a time")
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     # ---------------------------------------------------------------- requests
 
@@ -173,11 +230,12 @@ class LLMEngine:
         return self.scheduler.block_manager
 
     def make_sequence(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Sequence:
-        """A validated Sequence for ``prompt`` (text or token ids); queues nothing.
+        """A Sequence for ``prompt`` (text or token ids), its tokens checked; queues nothing.
 
         Raises ``ValueError`` naming the problem: an empty prompt, a token id outside the
-        vocabulary, a prompt of ``max_model_len`` tokens or more, a request that can never fit
-        in the KV cache. ``SamplingParams`` check their own fields when they are created.
+        vocabulary (also for text, whose tokenizer may know more tokens than the model).
+        ``Scheduler.add`` checks the rest (a prompt of ``max_model_len`` tokens or more, a
+        request that can never fit in the KV cache); ``SamplingParams`` check their own fields.
         """
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -189,28 +247,50 @@ class LLMEngine:
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
             if not token_ids:
                 raise ValueError(f"prompt {prompt!r} is empty: it encodes to no tokens")
+            check_token_ids(f"the token ids of prompt {prompt!r}", token_ids, self.config.vocab_size)
         else:
             token_ids = list(prompt)
             if not token_ids:
                 raise ValueError("prompt is empty: a request needs at least one token")
-            vocab = self.config.vocab_size
-            for i, t in enumerate(token_ids):
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                    raise ValueError(f"prompt token {i} is {t!r}: token ids must be integers in "
-                                     f"[0, {vocab}) (the model's vocabulary)")
-        seq = Sequence(token_ids, sampling_params, block_size=self.block_size)
-        self.scheduler.check(seq)
-        return seq
+            check_token_ids("prompt", token_ids, self.config.vocab_size)
+        return Sequence(token_ids, sampling_params, block_size=self.block_size)
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> int:
         """Queue one request; returns its id. Raises (and queues nothing) if it is invalid."""
-        return self._add(self.make_sequence(prompt, sampling_params), prompt)
+        with self._exclusive():
+            return self._add_all([self.make_sequence(prompt, sampling_params)], [prompt])[0]
 
-    def _add(self, seq: Sequence, prompt) -> int:
-        self.scheduler.add(seq)
-        self._requests[seq.seq_id] = _Request(seq, prompt if isinstance(prompt, str) else None,
-                                              RequestMetrics(arrival_time=time.perf_counter()))
-        return seq.seq_id
+    def _add_all(self, seqs: list[Sequence], prompts: list) -> list[int]:
+        self.scheduler.add_all(seqs)   # checks every one first; queues all or none
+        now = time.perf_counter()
+        for seq, prompt in zip(seqs, prompts):
+            self._requests[seq.seq_id] = _Request(seq, prompt if isinstance(prompt, str) else None,
+                                                  RequestMetrics(arrival_time=now))
+        return [seq.seq_id for seq in seqs]
+
+    def abort_request(self, request_id: int) -> RequestOutput:
+        """Stop a request now, free its blocks, and return its output (``finish_reason="abort"``).
+
+        A request that has already finished, but whose output no ``step()`` handed out yet,
+        is returned as it finished. Raises ``KeyError`` for an unknown or handed-out request.
+        """
+        with self._exclusive():
+            if request_id not in self._requests:
+                raise KeyError(f"no unfinished request with id {request_id}")
+            if request_id not in self._ready:
+                for seq in self._completions(request_id):
+                    if self.scheduler.holds(seq):
+                        self.scheduler.abort(seq)
+            out = self._make_output(request_id)   # if this raises, a second call returns it
+            if request_id in self._ready:
+                self._ready.remove(request_id)
+            del self._requests[request_id]
+            return out
+
+    def _completions(self, request_id: int) -> list[Sequence]:
+        """The sequences of a request: its own, then its forks (completions 1 .. n-1)."""
+        seq = self._requests[request_id].seq
+        return [seq] + seq.children
 
     def get_sequence(self, request_id: int) -> Sequence:
         """The live Sequence of an unfinished request (to watch its block table)."""
@@ -219,52 +299,73 @@ class LLMEngine:
         return self._requests[request_id].seq
 
     def has_unfinished_requests(self) -> bool:
-        return not self.scheduler.is_finished()
+        """True while some request's output has not been handed out by ``step()``."""
+        return bool(self._requests)
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return not self.has_unfinished_requests()
 
     # ---------------------------------------------------------------- one step
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and postprocess one step; return the requests that finished in it."""
-        seqs, is_prefill = self.scheduler.schedule()
-        now = time.perf_counter()
-        preempted = tuple(s.seq_id for s in self.scheduler.preempted)
-        for rid in preempted:
-            self._requests[rid].metrics.num_preemptions += 1
-        scheduled = tuple((s.seq_id, s.num_cached_tokens, s.num_scheduled_tokens) for s in seqs)
+        with self._exclusive():
+            seqs, is_prefill = self.scheduler.schedule()
+            scheduled = tuple((s.seq_id, s.num_cached_tokens, s.num_scheduled_tokens) for s in seqs)
+            preempted = tuple(s.seq_id for s in self.scheduler.preempted)
+            self._note_scheduled(seqs, preempted, time.perf_counter())
+            copies = tuple(self.scheduler.blocks_to_copy)
+            try:
+                self.model_runner.copy_blocks(list(copies))   # copy-on-write, before the forward pass
+                token_ids, logprobs = self.model_runner.run_with_logprobs(seqs)
+                finished = self.scheduler.postprocess(seqs, token_ids, logprobs)
+            except BaseException:
+                self.scheduler.unschedule(seqs)   # nothing recorded: the next step redoes it
+                raise
+            for seq in finished:   # a request is done when all its completions are
+                rid = seq.request_id
+                if rid not in self._ready and all(s.is_finished for s in self._completions(rid)):
+                    self._ready.append(rid)
+            now = time.perf_counter()
+            for seq, token in zip(seqs, token_ids):
+                metrics = self._requests[seq.request_id].metrics
+                if token is not None and metrics.first_token_time is None:
+                    metrics.first_token_time = now
+            # Build every output before handing any out: if the tokenizer raises, they all
+            # stay pending and the next step hands them out.
+            outputs = [self._make_output(rid) for rid in self._ready]
+            for rid in self._ready:
+                del self._requests[rid]
+            self._ready = []
+            self.last_step = StepInfo(
+                step=self.num_steps, is_prefill=is_prefill, scheduled=scheduled,
+                sampled=tuple((s.seq_id, t) for s, t in zip(seqs, token_ids) if t is not None),
+                preempted=preempted, finished=tuple(out.request_id for out in outputs), copies=copies)
+            self.num_steps += 1
+            return outputs
+
+    def _note_scheduled(self, seqs: list[Sequence], preempted: tuple[int, ...], now: float) -> None:
+        for seq in self.scheduler.preempted:
+            self._requests[seq.request_id].metrics.num_preemptions += 1
         for seq in seqs:
-            req = self._requests[seq.seq_id]
+            req = self._requests[seq.request_id]
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-                req.num_cached_tokens = seq.num_cached_tokens  # the prefix-cache hit at admission
-        token_ids = self.model_runner.run(seqs)
-        finished = self.scheduler.postprocess(seqs, token_ids)
-        now = time.perf_counter()
-        for seq, token in zip(seqs, token_ids):
-            if token is not None and self._requests[seq.seq_id].metrics.first_token_time is None:
-                self._requests[seq.seq_id].metrics.first_token_time = now
-        outputs = [self._finish(seq, now) for seq in finished]
-        self.last_step = StepInfo(
-            step=self.num_steps, is_prefill=is_prefill, scheduled=scheduled,
-            sampled=tuple((s.seq_id, t) for s, t in zip(seqs, token_ids) if t is not None),
-            preempted=preempted, finished=tuple(s.seq_id for s in finished))
-        self.num_steps += 1
-        return outputs
+                req.num_cached_tokens = seq.num_cached_tokens   # the prefix-cache hit at admission
 
-    def _finish(self, seq: Sequence, now: float) -> RequestOutput:
-        req = self._requests.pop(seq.seq_id)
-        req.metrics.finished_time = now
-        last = seq.token_ids[-1]
-        reason = "stop" if (not seq.ignore_eos and last in self.scheduler.eos_token_ids) else "length"
-        tokens = seq.completion_token_ids
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return RequestOutput(request_id=seq.seq_id, prompt=req.prompt, prompt_token_ids=seq.prompt_token_ids,
-                             text=text, token_ids=tokens, finish_reason=reason,
-                             num_cached_tokens=req.num_cached_tokens, metrics=req.metrics)
+    def _make_output(self, request_id: int) -> RequestOutput:
+        req = self._requests[request_id]
+        if req.metrics.finished_time is None:
+            req.metrics.finished_time = time.perf_counter()
+        outputs = []
+        for seq in self._completions(request_id):
+            tokens = seq.completion_token_ids
+            text = None if self.tokenizer is None else self.tokenizer.decode(tokens, skip_special_tokens=True)
+            outputs.append(CompletionOutput(index=seq.index, text=text, token_ids=tokens,
+                                            cumulative_logprob=seq.cumulative_logprob,
+                                            finish_reason=seq.finish_reason or "abort"))
+        return RequestOutput(request_id=request_id, prompt=req.prompt, prompt_token_ids=req.seq.prompt_token_ids,
+                             outputs=outputs, num_cached_tokens=req.num_cached_tokens, metrics=req.metrics)
 
     # ---------------------------------------------------------------- metrics
 

@@ -26,6 +26,7 @@ import torch
 from course_pkg.engine.sampler import Sampler
 from course_pkg.models import AttentionMetadata
 from course_pkg.sequence import Sequence
+from course_pkg.validation import check_positive_int
 
 #: KV cache budget on a CPU when neither a block count nor a byte budget is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 2**20
@@ -63,8 +64,7 @@ class ModelRunner:
         if num_kvcache_blocks is None:
             num_kvcache_blocks = self._blocks_from_budget(kv_cache_memory_bytes, gpu_memory_utilization,
                                                           max_num_batched_tokens, max_model_len)
-        if not isinstance(num_kvcache_blocks, int) or isinstance(num_kvcache_blocks, bool) or num_kvcache_blocks < 1:
-            raise ValueError(f"num_kvcache_blocks must be an integer >= 1, got {num_kvcache_blocks!r}")
+        check_positive_int("num_kvcache_blocks", num_kvcache_blocks)
         self.num_kvcache_blocks = num_kvcache_blocks
         self.kv_cache = torch.zeros(2, self.num_layers, num_kvcache_blocks, block_size, self.num_kv_heads,
                                     self.head_dim, dtype=self.dtype, device=self.device)
@@ -193,13 +193,47 @@ class ModelRunner:
                 tensor(logits_rows, torch.long), sample_seqs)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> list[int | None]:
-        """Compute the scheduled tokens of ``seqs``; one sampled token per sequence, or None
-        for a sequence that computed only a chunk of its prompt."""
+    def run(self, seqs: list[Sequence]) -> list[int | list[int] | None]:
+        """Compute the scheduled tokens of ``seqs``; one sampled token per sequence (a list of
+        ``seq.num_samples`` for a sequence about to fork), or None for a sequence that computed
+        only a chunk of its prompt."""
+        return self.run_with_logprobs(seqs)[0]
+
+    @torch.inference_mode()
+    def run_with_logprobs(self, seqs: list[Sequence]):
+        """``run``, plus the log-probability of each sampled token, in the same shape."""
         if not seqs:
-            return []
+            return [], []
+        logits, sample_seqs = self._forward(seqs)
+        tokens, logprobs = self.sampler.sample(logits, sample_seqs) if sample_seqs else ([], [])
+        by_seq = {id(seq): (t, lp) for seq, t, lp in zip(sample_seqs, tokens, logprobs)}
+        results = [by_seq.get(id(seq), (None, None)) for seq in seqs]
+        return [t for t, _ in results], [lp for _, lp in results]
+
+    @torch.inference_mode()
+    def compute_logprobs(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Compute the scheduled tokens of ``seqs`` (each must reach its last token) and return
+        the next-token log-probabilities, ``[len(seqs), vocab]`` float32 (beam search)."""
+        logits, sample_seqs = self._forward(seqs)
+        if len(sample_seqs) != len(seqs):
+            raise ValueError("compute_logprobs needs every sequence to reach its last token")
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def _forward(self, seqs: list[Sequence]):
         input_ids, positions, attn, logits_rows, sample_seqs = self.prepare(seqs)
         hidden = self.model(input_ids, positions, attn, self.kv_caches)
-        tokens = self.sampler(self.model.compute_logits(hidden[logits_rows]), sample_seqs) if sample_seqs else []
-        by_seq = {id(seq): t for seq, t in zip(sample_seqs, tokens)}
-        return [by_seq.get(id(seq)) for seq in seqs]
+        logits = self.model.compute_logits(hidden[logits_rows]) if sample_seqs else None
+        return logits, sample_seqs
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block ``dst`` receives block ``src``'s K and V, in every layer.
+
+        Done before the step's forward pass, which then writes the new token into ``dst``.
+        """
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], device=self.device)
+        dst = torch.tensor([b for _, b in pairs], device=self.device)
+        # kv_cache is [2, layers, blocks, block_size, kv_heads, head_dim]: one indexed copy.
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]

@@ -40,45 +40,77 @@ class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        # A request with its own seed keeps its generator for its whole life (preemption
-        # included); weak keys let it go when the sequence is dropped.
-        self._seq_generators: weakref.WeakKeyDictionary[Sequence, torch.Generator] = weakref.WeakKeyDictionary()
+        # A request with its own seed keeps one generator per completion for its whole life
+        # (preemption included), under the request's first sequence; weak keys let them go
+        # when that sequence is dropped.
+        self._seq_generators: weakref.WeakKeyDictionary[Sequence, dict[int, torch.Generator]] = \
+            weakref.WeakKeyDictionary()
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
+    def _generator(self, seq: Sequence, index: int) -> torch.Generator:
+        """Completion ``index`` of ``seq``'s request draws from ``seed + index``."""
         seed = seq.sampling_params.seed
         if seed is None:
             return self.generator
-        gen = self._seq_generators.get(seq)
+        per_index = self._seq_generators.setdefault(seq.parent or seq, {})
+        gen = per_index.get(index)
         if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(seed)
-            self._seq_generators[seq] = gen
+            gen = per_index[index] = torch.Generator(device=self.device).manual_seed(seed + index)
         return gen
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """``logits``: ``[len(seqs), vocab]``; returns one token id per sequence."""
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | list[int]]:
+        """``logits``: ``[len(seqs), vocab]``; one token id per sequence (``num_samples`` for a
+        sequence about to fork: a list)."""
+        return self.sample(logits, seqs)[0]
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
+        """``(tokens, logprobs)``: per sequence a token and its log-probability under the
+        model (``log_softmax`` of the raw logits), or lists of ``seq.num_samples`` of them."""
         if logits.shape[0] != len(seqs):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(seqs)} sequences")
         if not seqs:
-            return []
+            return [], []
+        # One target per token to draw: (sequence, completion index, logits row).
+        targets = [(seq, seq.index + j, row) for row, seq in enumerate(seqs) for j in range(seq.num_samples)]
         logits = logits.float()
-        tokens = logits.argmax(dim=-1)
-        sampled = [i for i, s in enumerate(seqs) if s.temperature > 0]
+        rows_of = torch.tensor([row for _, _, row in targets], device=logits.device)
+        tokens = self._draw(logits, targets)
+        logprobs = torch.log_softmax(logits, dim=-1)[rows_of, torch.tensor(tokens, device=logits.device)].tolist()
+        out_tokens: list = []
+        out_logprobs: list = []
+        k = 0
+        for seq in seqs:
+            n = seq.num_samples
+            if n == 1:
+                out_tokens.append(tokens[k])
+                out_logprobs.append(logprobs[k])
+            else:
+                out_tokens.append(tokens[k:k + n])
+                out_logprobs.append(logprobs[k:k + n])
+            k += n
+        return out_tokens, out_logprobs
+
+    def _draw(self, logits: torch.Tensor, targets) -> list[int]:
+        rows = logits[torch.tensor([row for _, _, row in targets], device=logits.device)]
+        tokens = rows.argmax(dim=-1)
+        sampled = [i for i, (seq, _, _) in enumerate(targets) if seq.temperature > 0]
         if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
-            temperature = torch.tensor([seqs[i].temperature for i in sampled], device=logits.device)
-            probs = torch.softmax(logits[rows] / temperature.unsqueeze(1), dim=-1)
-            top_p = [seqs[i].sampling_params.top_p for i in sampled]
+            idx = torch.tensor(sampled, device=logits.device)
+            temperature = torch.tensor([targets[i][0].temperature for i in sampled], device=logits.device)
+            probs = torch.softmax(rows[idx] / temperature.unsqueeze(1), dim=-1)
+            top_p = [targets[i][0].sampling_params.top_p for i in sampled]
             if any(p < 1.0 for p in top_p):
                 probs = top_p_filter(probs, torch.tensor(top_p, device=logits.device))
             noise = torch.empty_like(probs)
-            shared = [j for j, i in enumerate(sampled) if seqs[i].sampling_params.seed is None]
+            shared = [j for j, i in enumerate(sampled) if targets[i][0].sampling_params.seed is None]
             if shared:
                 noise[shared] = torch.empty((len(shared), probs.shape[1]), device=probs.device).exponential_(
                     generator=self.generator)
             for j, i in enumerate(sampled):
-                if seqs[i].sampling_params.seed is not None:
-                    noise[j].exponential_(generator=self._generator(seqs[i]))
+                seq, index, _ = targets[i]
+                if seq.sampling_params.seed is not None:
+                    noise[j].exponential_(generator=self._generator(seq, index))
             # (clamped: a zero draw would turn a filtered 0 / 0 into NaN)
-            tokens[rows] = (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)
+            tokens[idx] = (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)
         return tokens.tolist()

@@ -18,7 +18,7 @@ from course_pkg.sequence import Sequence
 from course_pkg.viz.snapshot import Snapshot, take_snapshot
 
 # The BlockManager's public calls; each one is recorded when made through the proxy.
-RECORDED_CALLS = ("can_allocate", "allocate", "can_append", "may_append", "deallocate", "hash_blocks")
+RECORDED_CALLS = ("can_allocate", "allocate", "can_append", "may_append", "deallocate", "hash_blocks", "fork")
 # Queries whose answer is part of the label ("can_append(A) -> True").
 _QUERIES = ("can_allocate", "can_append")
 
@@ -95,6 +95,8 @@ class Recorder:
         label = f"{call}({', '.join(parts)})"
         if call in _QUERIES:
             label += f" -> {result!r}"
+        elif call == "may_append" and result:   # copy-on-write: name the copies
+            label += " -> copy " + ", ".join(f"{src}->{dst}" for src, dst in result)
         return label
 
     def _call(self, call: str, args: tuple, kwargs: dict):

@@ -128,13 +128,7 @@ class WorkloadRun:
         self._hand_in()
         if self.scheduler.is_finished():
             return "idle"
-        batch, is_prefill = self.scheduler.schedule()
-        while not batch:
-            # The only running sequence lacked a block and preempted itself: it is back in
-            # ``waiting`` with its blocks freed, and the next schedule readmits it.
-            if not self.scheduler.preempted:
-                raise RuntimeError("the scheduler scheduled nothing although requests are waiting")
-            batch, is_prefill = self.scheduler.schedule()
+        batch, is_prefill = self.scheduler.schedule()   # never empty while work remains
         usage = self.block_manager.kv_cache_usage
         self._usage_sum += usage
         self._usage_max = max(self._usage_max, usage)

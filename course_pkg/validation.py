@@ -1,0 +1,79 @@
+"""Checks for values that cross a public boundary: one helper per kind of value.
+
+Every public constructor and call of the package checks its arguments with these, so a bad
+value is refused where it enters, with its name in the message, before anything changes. The
+checks are type-strict on purpose: ``True`` is not the integer 1 (``bool`` is a subclass of
+``int`` in Python, so ``isinstance(True, int)`` holds), ``1.5`` is not a token id, and the
+string ``"no"`` is not ``False``.
+"""
+from __future__ import annotations
+
+import math
+
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+
+
+def is_int(value) -> bool:
+    """An integer, and not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` if it is an integer (not a bool) in ``[minimum, maximum]``, else ``ValueError``."""
+    if not is_int(value) or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        if minimum is not None and maximum is not None:
+            bounds = f" in [{minimum}, {maximum}]"
+        elif minimum is not None:
+            bounds = f" >= {minimum}"
+        elif maximum is not None:
+            bounds = f" <= {maximum}"
+        else:
+            bounds = ""
+        raise ValueError(f"{name} must be an integer{bounds}, got {value!r}")
+    return value
+
+
+def check_positive_int(name: str, value) -> int:
+    """``value`` if it is an integer >= 1 (a count of blocks, tokens, sequences)."""
+    return check_int(name, value, minimum=1)
+
+
+def check_bool(name: str, value) -> bool:
+    """``value`` if it is ``True`` or ``False`` (not 0/1, not a string)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_real(name: str, value, minimum: float | None = None, maximum: float | None = None, *,
+               min_inclusive: bool = True) -> float:
+    """``value`` as a float if it is a finite int or float (not a bool) within the bounds."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and minimum is not None:
+        ok = value >= minimum if min_inclusive else value > minimum
+    if ok and maximum is not None:
+        ok = value <= maximum
+    if not ok:
+        low = "" if minimum is None else f"{'>=' if min_inclusive else '>'} {minimum}"
+        high = "" if maximum is None else f"<= {maximum}"
+        bounds = " and ".join(b for b in (low, high) if b)
+        raise ValueError(f"{name} must be a finite number{' ' + bounds if bounds else ''}, got {value!r}")
+    return float(value)
+
+
+def check_choice(name: str, value, choices: tuple) -> str:
+    """``value`` if it is one of ``choices``."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def check_token_ids(name: str, token_ids, vocab_size: int | None = None) -> list[int]:
+    """A list of token ids: integers >= 0 (and < ``vocab_size`` when given)."""
+    token_ids = list(token_ids)
+    for i, t in enumerate(token_ids):
+        if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise ValueError(f"{name}[{i}] is {t!r}: token ids must be integers {limit}"
+                             + (" (the model's vocabulary)" if vocab_size is not None else ""))
+    return token_ids

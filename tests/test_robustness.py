@@ -1,0 +1,457 @@
+"""The engine survives faults, misuse and bad input (issue 9).
+
+* Fault injection: an exception, or a KeyboardInterrupt, raised once at each point of a step
+  in turn -- the model's forward pass, the sampler, ``postprocess``, ``hash_blocks``,
+  ``deallocate``, the tokenizer's ``decode``. ``generate`` must re-raise it, and afterwards
+  the engine must be as good as new: every block free, the next ``generate`` giving the
+  tokens of an engine that never saw a fault, and a request someone else queued finishing
+  exactly once, with no more than its ``max_tokens``.
+* Abort, ownership, concurrency, type-strict settings and sampled tokens.
+
+The reference tokens come from an engine that never saw a fault; that engine is checked
+against Hugging Face in test_engine.py.
+"""
+from __future__ import annotations
+
+import copy
+import random
+import threading
+
+import pytest
+import torch
+
+from course_pkg import LLM, BlockManager, NoFreeBlocksError, SamplingParams, Sequence
+from course_pkg.engine.sampler import Sampler
+from course_pkg.models import default_model_path
+from course_pkg.scheduler import Scheduler
+from course_pkg.sequence import SequenceStatus
+from tests.helpers import check_invariants, state
+
+MODEL = default_model_path()
+CPU = dict(device="cpu", dtype=torch.float32, attention_backend="torch")
+# A pool small enough that the batch below preempts, and a budget that chunks prompts.
+ENGINE = dict(block_size=4, num_kvcache_blocks=24, max_num_batched_tokens=24, **CPU)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_prompts(n=5, seed=7):
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 1000) for _ in range(9)]
+    return [shared + [rng.randrange(3, 1000) for _ in range(k)] for k in range(2, 2 + 3 * n, 3)]
+
+
+PROMPTS = make_prompts()
+OTHER = [11, 12, 13, 14, 15, 16]            # a request queued by "someone else"
+PARAMS = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+OTHER_PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM(MODEL, **ENGINE)
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    [other] = llm.generate([OTHER], OTHER_PARAMS, use_tqdm=False)
+    assert llm.get_metrics().num_preemptions > 0, "the reference run should preempt"
+    return [o.token_ids for o in outs], other.token_ids
+
+
+class Fault:
+    """Raise ``exc`` on the ``at``-th call of the wrapped function, once; otherwise call it."""
+
+    def __init__(self, fn, exc, at):
+        self.fn, self.exc, self.at, self.calls, self.fired = fn, exc, at, 0, False
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.at:
+            self.fired = True
+            raise self.exc("injected fault")
+        return self.fn(*args, **kwargs)
+
+
+def inject(llm, point, exc, at, monkeypatch):
+    targets = {
+        "forward": (llm.model, "forward"),
+        "postprocess": (llm.scheduler, "postprocess"),
+        "hash_blocks": (llm.block_manager, "hash_blocks"),
+        "deallocate": (llm.block_manager, "deallocate"),
+        "decode": (llm.tokenizer, "decode"),
+    }
+    if point == "sampler":
+        fault = Fault(llm.model_runner.sampler.sample, exc, at)
+        monkeypatch.setattr(llm.model_runner.sampler, "sample", fault)
+        return fault
+    obj, name = targets[point]
+    fault = Fault(getattr(obj, name), exc, at)
+    monkeypatch.setattr(obj, name, fault)
+    return fault
+
+
+POINTS = ["forward", "sampler", "postprocess", "hash_blocks", "deallocate", "decode"]
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt], ids=["exception", "interrupt"])
+@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("at", [1, 4])
+def test_a_fault_anywhere_in_a_step_leaves_the_engine_as_good_as_new(reference, point, exc, at, monkeypatch):
+    expected, expected_other = reference
+    llm = LLM(MODEL, **ENGINE)
+    other_id = llm.add_request(OTHER, OTHER_PARAMS)
+    fault = inject(llm, point, exc, at, monkeypatch)
+    with pytest.raises(exc, match="injected fault"):
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert fault.fired
+    monkeypatch.undo()
+    # The faulty generate's requests are aborted; only the other request is left.
+    live = list(llm.scheduler.waiting) + list(llm.scheduler.running)
+    assert all(s.seq_id == other_id for s in live)
+    check_invariants(llm.block_manager, [s for s in live if s.block_table])
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert [o.token_ids for o in outs] == expected
+    assert all(o.finish_reason == "length" for o in outs)
+    # The other request finished exactly once, whole, in one of the two generates.
+    if other_id in llm.unclaimed_outputs:
+        other = llm.unclaimed_outputs.pop(other_id)
+        assert other.token_ids == expected_other and other.finish_reason == "length"
+    assert not llm.unclaimed_outputs and llm.is_finished()
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    check_invariants(llm.block_manager, [])
+
+
+def test_a_request_that_always_fails_does_not_wedge_the_engine(reference, monkeypatch):
+    """A request whose every step raises (here: the sampler refuses it) makes generate raise;
+    the next generate, without that request, gives the right tokens."""
+    expected, _ = reference
+    llm = LLM(MODEL, **ENGINE)
+    real = Sampler.sample
+    poison = [999, 998, 997]
+
+    def sampler(self, logits, seqs):
+        if any(s.prompt_token_ids == poison for s in seqs):
+            raise ValueError("this request cannot be sampled")
+        return real(self, logits, seqs)
+
+    monkeypatch.setattr(Sampler, "sample", sampler)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="cannot be sampled"):
+            llm.generate(PROMPTS[:2] + [poison], PARAMS, use_tqdm=False)
+        assert llm.is_finished() and llm.block_manager.num_free_blocks == 24
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert [o.token_ids for o in outs] == expected
+
+
+def test_a_failed_step_is_undone_and_redone(reference, monkeypatch):
+    """step() called directly: the forward pass raises once; nothing is recorded, and the
+    steps after it give the same tokens as if it never happened."""
+    expected, _ = reference
+    llm = LLM(MODEL, **ENGINE)
+    ids = [llm.add_request(p, PARAMS) for p in PROMPTS]
+    llm.step()
+    llm.step()
+    inject(llm, "forward", RuntimeError, 1, monkeypatch)
+    before = [(s.seq_id, s.num_tokens, s.num_cached_tokens, s.status) for s in llm.scheduler.running]
+    with pytest.raises(RuntimeError):
+        llm.step()
+    after = [(s.seq_id, s.num_tokens, s.num_cached_tokens) for s in
+             list(llm.scheduler.running) + list(llm.scheduler.waiting)]
+    assert {b[:3] for b in before} <= set(after)
+    assert all(s.num_scheduled_tokens == 0 for s in after and llm.scheduler.running)
+    outs = {}
+    while llm.has_unfinished_requests():
+        outs.update({o.request_id: o.token_ids for o in llm.step()})
+    assert [outs[i] for i in ids] == expected
+
+
+# ---------------------------------------------------------------- abort
+
+def test_abort_frees_blocks_and_reports_abort(reference):
+    expected, _ = reference
+    llm = LLM(MODEL, **ENGINE)
+    ids = [llm.add_request(p, PARAMS) for p in PROMPTS[:3]]
+    for _ in range(4):
+        llm.step()
+    out = llm.abort_request(ids[1])
+    assert out.finish_reason == "abort" and out.request_id == ids[1]
+    assert out.token_ids == expected[1][:len(out.token_ids)] and len(out.token_ids) < PARAMS.max_tokens
+    with pytest.raises(KeyError, match="no unfinished request"):
+        llm.abort_request(ids[1])
+    waiting = llm.add_request(PROMPTS[4], PARAMS)       # never scheduled
+    assert llm.abort_request(waiting).token_ids == []
+    outs = {}
+    while llm.has_unfinished_requests():
+        outs.update({o.request_id: o for o in llm.step()})
+    assert sorted(outs) == [ids[0], ids[2]]
+    assert [outs[ids[0]].token_ids, outs[ids[2]].token_ids] == [expected[0], expected[2]]
+    assert llm.block_manager.num_free_blocks == 24
+
+
+def test_scheduler_abort_from_every_queue():
+    sched = Scheduler(8, 2, max_num_batched_tokens=3)
+    short = SamplingParams(max_tokens=2)
+    a, b = Sequence([1, 2, 3, 4, 5], short, block_size=2), Sequence([6, 7], short, block_size=2)
+    sched.add_all([a, b])
+    seqs, _ = sched.schedule()                  # a is chunked: it holds blocks in waiting
+    assert seqs == [a] and a.block_table and list(sched.waiting) == [a, b]
+    sched.abort(a)
+    sched.abort(b)
+    assert a.status == b.status == SequenceStatus.FINISHED_ABORTED and a.finish_reason == "abort"
+    assert sched.is_finished() and sched.block_manager.num_free_blocks == 8
+    with pytest.raises(ValueError, match="not held by this scheduler"):
+        sched.abort(a)
+
+
+# ---------------------------------------------------------------- the scheduler decides
+
+def test_finish_reasons_are_decided_by_the_scheduler():
+    sched = Scheduler(8, 2, eos_token_id=[9], max_model_len=6)
+    stop, cap, model_len = (Sequence([1, 2], SamplingParams(max_tokens=3), block_size=2),
+                            Sequence([1, 3], SamplingParams(max_tokens=1), block_size=2),
+                            Sequence([1, 2, 3, 4, 5], SamplingParams(max_tokens=4), block_size=2))
+    sched.add_all([stop, cap, model_len])
+    seqs, is_prefill = sched.schedule()
+    assert is_prefill and seqs == [stop, cap, model_len]
+    finished = sched.postprocess(seqs, [9, 4, 4])
+    assert finished == [stop, cap, model_len]
+    assert [s.status for s in finished] == [SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH_CAPPED,
+                                            SequenceStatus.FINISHED_LENGTH_CAPPED]
+    assert [s.finish_reason for s in finished] == ["stop", "length", "length"]
+
+
+def test_schedule_admits_in_the_same_step_when_the_last_runner_preempted_itself(monkeypatch):
+    """With check() admitting only requests that fit the pool, the first running sequence
+    always gets its block once the others are preempted. A decode step that preempts every
+    runner anyway (forced here: can_append says no once) must still not return an empty
+    batch while requests wait: schedule() goes on to admission in the same call."""
+    sched = Scheduler(4, 2)
+    a = Sequence([1, 2, 3], SamplingParams(max_tokens=3), block_size=2)
+    sched.add(a)
+    seqs, _ = sched.schedule()
+    sched.postprocess(seqs, [9])
+    real, calls = sched.block_manager.can_append, []
+
+    def can_append_but_not_the_first_time(seq):
+        calls.append(seq)
+        return len(calls) > 1 and real(seq)
+
+    monkeypatch.setattr(sched.block_manager, "can_append", can_append_but_not_the_first_time)
+    seqs, is_prefill = sched.schedule()
+    assert sched.preempted == [a] and a.num_preemptions == 1
+    # recomputed: its first block is a prefix-cache hit, the other 2 tokens run again
+    assert seqs == [a] and is_prefill and (a.num_cached_tokens, a.num_scheduled_tokens) == (2, 2)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_schedule_never_returns_an_empty_batch_while_work_remains(seed):
+    rng = random.Random(seed)
+    sched = Scheduler(10, 2, max_num_seqs=4, max_num_batched_tokens=7)
+    seqs = [Sequence([rng.randrange(1, 5) for _ in range(rng.randint(1, 8))],
+                     SamplingParams(max_tokens=rng.randint(1, 9), ignore_eos=True), block_size=2)
+            for _ in range(12)]
+    sched.add_all(seqs)
+    for _ in range(500):
+        if sched.is_finished():
+            break
+        batch, _ = sched.schedule()
+        assert batch, "an empty batch although requests wait or run"
+        done = [s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens for s in batch]
+        sched.postprocess(batch, [rng.randrange(1, 5) if d else None for d in done])
+    assert sched.is_finished() and sched.block_manager.num_free_blocks == 10
+    assert all(s.num_completion_tokens == s.max_tokens for s in seqs)
+
+
+# ---------------------------------------------------------------- bad sampled tokens
+
+@pytest.mark.parametrize("token", ["x", 1.5, -1, True, None])
+def test_postprocess_refuses_tokens_that_are_not_token_ids_and_changes_nothing(token):
+    sched = Scheduler(8, 2)
+    short = SamplingParams(max_tokens=2)
+    a, b = Sequence([1, 2, 3], short, block_size=2), Sequence([4, 5], short, block_size=2)
+    sched.add_all([a, b])
+    seqs, _ = sched.schedule()
+    before = (state(sched.block_manager, seqs), [s.num_scheduled_tokens for s in seqs], list(sched.running))
+    with pytest.raises(ValueError, match="token"):
+        sched.postprocess(seqs, [7, token])
+    assert (state(sched.block_manager, seqs), [s.num_scheduled_tokens for s in seqs], list(sched.running)) == before
+
+
+# ---------------------------------------------------------------- ownership
+
+def test_deallocate_refuses_a_stale_copy_and_another_managers_sequence():
+    bm, other = BlockManager(6, 2), BlockManager(6, 2)
+    a = Sequence([1, 2, 3], block_size=2)
+    bm.allocate(a, bm.can_allocate(a))
+    stale = copy.deepcopy(a)
+    bm.deallocate(a)
+    b = Sequence([4, 5, 6], block_size=2)
+    bm.allocate(b, bm.can_allocate(b))          # takes a's old blocks? no: fresh ones first
+    c = Sequence([7, 8, 9, 10, 11], block_size=2)
+    other.allocate(c, other.can_allocate(c))
+    for seq, msg in [(stale, "not allocated by this BlockManager"), (c, "not allocated by this BlockManager")]:
+        before = state(bm, [b])
+        with pytest.raises(ValueError, match=msg):
+            bm.deallocate(seq)
+        assert state(bm, [b]) == before
+    live_copy = copy.deepcopy(b)
+    with pytest.raises(ValueError, match="a copy of a sequence is not the sequence"):
+        bm.deallocate(live_copy)
+    with pytest.raises(ValueError, match="not allocated by this BlockManager"):
+        bm.may_append(c)
+    check_invariants(bm, [b])
+
+
+def test_a_sequence_is_queued_in_one_scheduler_only():
+    s1, s2 = Scheduler(8, 2), Scheduler(8, 2)
+    seq = Sequence([1, 2, 3], SamplingParams(max_tokens=2), block_size=2)
+    s1.add(seq)
+    with pytest.raises(ValueError, match="already added"):
+        s2.add(seq)
+    with pytest.raises(ValueError, match="twice"):
+        s2.add_all([Sequence([1], SamplingParams(max_tokens=2), block_size=2)] * 2)
+    assert not s2.waiting
+
+
+def test_allocate_with_minus_one_says_the_pool_is_full():
+    bm = BlockManager(2, 2)
+    seq = Sequence([1, 2, 3, 4, 5], block_size=2)
+    assert bm.can_allocate(seq) == -1
+    with pytest.raises(NoFreeBlocksError, match="does not fit.*2 of 2 are free"):
+        bm.allocate(seq, bm.can_allocate(seq))
+    assert not seq.block_table and bm.num_free_blocks == 2
+
+
+# ---------------------------------------------------------------- type-strict settings
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(ignore_eos="no"), "ignore_eos must be True or False"),
+    (dict(ignore_eos=1), "ignore_eos must be True or False"),
+    (dict(seed="abc"), "seed must be an integer"),
+    (dict(seed=1.0), "seed must be an integer"),
+    (dict(seed=True), "seed must be an integer"),
+    (dict(seed=2**63), "seed must be an integer"),
+    (dict(max_tokens=True), "max_tokens"),
+    (dict(temperature=True), "temperature"),
+    (dict(temperature="0"), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(top_p=0), "top_p"),
+])
+def test_sampling_params_are_type_strict(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_accept_the_edges():
+    SamplingParams(seed=2**63 - 1)
+    SamplingParams(seed=-2**63, temperature=0, top_p=1)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: BlockManager(4, 2, enable_prefix_caching="no"),
+    lambda: BlockManager(4, 2, free_queue=1),
+    lambda: Scheduler(4, 2, enable_prefix_caching=0),
+    lambda: Scheduler(4, 2, eos_token_id=[1, "2"]),
+    lambda: LLM(MODEL, enable_prefix_caching="no", **CPU),
+    lambda: LLM(MODEL, seed="1", **CPU),
+])
+def test_flags_are_bools_and_numbers_are_numbers(make):
+    with pytest.raises(ValueError):
+        make()
+
+
+def test_text_prompts_are_checked_against_the_vocabulary_after_tokenization(monkeypatch):
+    llm = LLM(MODEL, **ENGINE)
+    monkeypatch.setattr(llm.tokenizer, "encode", lambda text, add_special_tokens=False: [5, 4096])
+    with pytest.raises(ValueError, match="prompt 0: .*4096.*vocabulary"):
+        llm.generate(["hello"], PARAMS, use_tqdm=False)
+    assert llm.is_finished() and not llm.scheduler.waiting
+
+
+def test_scheduler_check_runs_once_per_request(monkeypatch):
+    llm = LLM(MODEL, **ENGINE)
+    calls = []
+    real = Scheduler.check
+    monkeypatch.setattr(Scheduler, "check", lambda self, seq: (calls.append(seq.seq_id), real(self, seq)))
+    llm.generate(PROMPTS[:3], SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.add_request(PROMPTS[3], SamplingParams(max_tokens=1))
+    assert len(calls) == len(set(calls)) == 4
+
+
+def test_the_engine_uses_the_linked_free_queue_by_default():
+    from course_pkg.free_block_queue import FreeBlockQueue
+    assert isinstance(LLM(MODEL, **ENGINE).block_manager.free_block_ids, FreeBlockQueue)
+    assert isinstance(BlockManager(4, 2).free_block_ids, type(BlockManager(4, 2, free_queue="deque").free_block_ids))
+
+
+# ---------------------------------------------------------------- threads
+
+def test_a_second_thread_gets_a_clear_error_never_wrong_tokens(reference, monkeypatch):
+    expected, _ = reference
+    llm = LLM(MODEL, **ENGINE)
+    inside, release = threading.Event(), threading.Event()
+    real_step = llm.step
+    calls = 0
+
+    def slow_step():
+        nonlocal calls
+        calls += 1
+        if calls == 2:          # hold the engine in the middle of the first generate
+            inside.set()
+            release.wait(10)
+        return real_step()
+
+    monkeypatch.setattr(llm, "step", slow_step)
+    for trial in range(3):
+        calls = 0
+        inside.clear()
+        release.clear()
+        results, errors = {}, []
+        first = threading.Thread(target=lambda: results.update(
+            first=llm.generate(PROMPTS, PARAMS, use_tqdm=False)))
+        first.start()
+        assert inside.wait(10)
+        for call in (lambda: llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False),
+                     lambda: llm.add_request(PROMPTS[0], PARAMS), lambda: real_step()):
+            try:
+                call()
+            except RuntimeError as e:
+                errors.append(str(e))
+        release.set()
+        first.join(30)
+        assert len(errors) == 3 and all("another thread" in e for e in errors)
+        assert [o.token_ids for o in results["first"]] == expected
+        assert llm.is_finished() and not llm.unclaimed_outputs
+
+
+# ---------------------------------------------------------------- exact prefix hits
+
+def test_a_forced_hash_collision_never_changes_the_tokens(monkeypatch):
+    """Every block gets the same hash: every lookup finds *some* block. The tokens must be the
+    uncached run's; with Nano-vLLM's check (the block's own tokens only) they are not."""
+    # Blocks of 4 real tokens (from the tiny model's tokenizer: the model reacts to them).
+    a, b, c = [306, 273, 417, 337], [78, 355, 693, 311], [33, 429, 367, 268]
+    prompts = [a + b + [14], b + c + [14], c + a + [14]]
+    # Three new tokens: no decoded block fills up, so the index's one entry is the last
+    # prompt block registered -- which the next prompt's first block matches by its tokens.
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    uncached = LLM(MODEL, **dict(ENGINE, enable_prefix_caching=False))
+    expected = [[o.token_ids for o in uncached.generate([p], params, use_tqdm=False)][0] for p in prompts]
+
+    def run(confirm=None):
+        llm = LLM(MODEL, **ENGINE)
+        monkeypatch.setattr(llm.block_manager, "compute_hash", lambda token_ids, prefix=-1: 42)
+        if confirm is not None:
+            monkeypatch.setattr(llm.block_manager, "_confirms_hit", confirm)
+        return [llm.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts], llm
+
+    got, llm = run()
+    assert got == expected
+    assert llm.get_metrics().prefix_cache_hits == 0
+    wrong, llm = run(confirm=lambda block, token_ids, parent: block.token_ids == token_ids)
+    assert llm.get_metrics().prefix_cache_hits > 0 and wrong != expected
