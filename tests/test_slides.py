@@ -235,7 +235,8 @@ def heading_levels(nb) -> list[int]:
 
 
 def exercise_prompts(nb) -> int:
-    """Markdown cells that start with "**N.**" inside a "## ...Exercises..." section."""
+    """Markdown cells that start with a bold number ("**N.**", "**N. (code)**") inside a
+    "## ...Exercises..." section."""
     count, in_exercises = 0, False
     for cell in nb.cells:
         if cell.cell_type != "markdown":
@@ -243,7 +244,7 @@ def exercise_prompts(nb) -> int:
         for line in cell.source.splitlines():
             if re.match(r"^#{1,2}\s", line):
                 in_exercises = "exercise" in line.lower()
-        count += in_exercises and bool(re.match(r"^\*\*\d+\.\*\*", cell.source.lstrip()))
+        count += in_exercises and bool(re.match(r"^\*\*\d+\.", cell.source.lstrip()))
     return count
 
 
