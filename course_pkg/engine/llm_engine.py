@@ -171,6 +171,11 @@ class LLMEngine:
     package). The KV cache holds ``num_kvcache_blocks`` blocks when given, else as many as
     ``kv_cache_memory_bytes`` allows (a CPU default of 256 MiB), or on a GPU what
     ``gpu_memory_utilization`` leaves after the weights and a warm-up pass.
+
+    ``tensor_parallel_size=k > 1`` splits the model over ``k`` ranks (chapter 10,
+    :mod:`course_pkg.distributed`): this process is rank 0 and keeps the one scheduler;
+    ``self.model`` is then rank 0's shard, and the byte budget is per rank. Call ``close()``
+    (or use ``with LLM(...) as llm:``) to stop the worker processes.
     """
 
     def __init__(self, model: str | Path | None = None, *, block_size: int = 16,
@@ -179,8 +184,8 @@ class LLMEngine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, attention_backend: str = "auto",
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 seed: int = 0, free_queue: str = "linked"):
-        from course_pkg.models import load_model
+                 seed: int = 0, free_queue: str = "linked", tensor_parallel_size: int = 1):
+        from course_pkg.models import default_model_path, load_config, load_model, load_tokenizer
 
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
@@ -188,18 +193,32 @@ class LLMEngine:
         check_positive_int("block_size", block_size)
         check_bool("enable_prefix_caching", enable_prefix_caching)
         check_int("seed", seed, minimum=0, maximum=INT64_MAX)
-        self.model, self.config, self.tokenizer = load_model(model, dtype=dtype, device=device)
+        check_positive_int("tensor_parallel_size", tensor_parallel_size)
+        if tensor_parallel_size == 1:
+            self.model, self.config, self.tokenizer = load_model(model, dtype=dtype, device=device)
+        else:       # the ranks load their own shards; rank 0 needs the config and tokenizer only
+            from course_pkg.distributed import check_tensor_parallel_size
+            path = default_model_path() if model is None else Path(model)
+            self.config, self.tokenizer = load_config(path), load_tokenizer(path)
+            check_tensor_parallel_size(tensor_parallel_size, self.config, device.type)
         limit = self.config.max_position_embeddings
         if max_model_len is None:
             max_model_len = limit
         else:
             check_int("max_model_len", max_model_len, minimum=2, maximum=limit)
         self.max_model_len = max_model_len
-        self.model_runner = ModelRunner(
-            self.model, self.config, block_size=block_size, num_kvcache_blocks=num_kvcache_blocks,
+        runner_kwargs = dict(
+            block_size=block_size, num_kvcache_blocks=num_kvcache_blocks,
             kv_cache_memory_bytes=kv_cache_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
             attention_backend=attention_backend, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, seed=seed)
+        if tensor_parallel_size == 1:
+            self.model_runner = ModelRunner(self.model, self.config, **runner_kwargs)
+        else:
+            from course_pkg.distributed import TensorParallelModelRunner
+            self.model_runner = TensorParallelModelRunner.launch(
+                path, self.config, tensor_parallel_size, device=device, dtype=dtype, **runner_kwargs)
+            self.model = self.model_runner.model
         eos = stop_token_ids(model, self.config, self.tokenizer)
         self.scheduler = Scheduler(
             self.model_runner.num_kvcache_blocks, block_size, max_num_seqs=max_num_seqs,
@@ -222,6 +241,18 @@ class LLMEngine:
             yield
         finally:
             self._lock.release()
+
+    def close(self) -> None:
+        """Release what outlives a Python reference: the tensor-parallel worker processes."""
+        close = getattr(self.model_runner, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---------------------------------------------------------------- requests
 
