@@ -23,8 +23,9 @@ the doubly linked ``FreeBlockQueue`` (chapter 03), which removes a revived block
 middle in O(1) and hands out the very same block ids.
 
 Statistics, named as vLLM names them: ``prefix_cache_stats`` counts prefix-cache
-``queries`` and ``hits`` in tokens, per admitted request, with the hit rate over all
-requests and over the most recent ones; ``kv_cache_usage`` is the fraction of blocks in use.
+``queries`` and ``hits`` in tokens, per first admission (a readmission after preemption is
+counted apart), with the hit rate over all requests and over the most recent ones;
+``kv_cache_usage`` is the fraction of blocks in use.
 """
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ from course_pkg.sequence import Sequence
 from course_pkg.validation import check_bool, check_choice, check_positive_int, is_int
 
 FREE_QUEUES = ("deque", "linked")
+
+
+def _free(n: int) -> str:
+    return f"{n} {'is' if n == 1 else 'are'} free"
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -304,7 +309,7 @@ class BlockManager:
         needed = self._num_new_blocks(seq, hit_block_ids)
         if needed > len(self.free_block_ids):
             raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {needed} free blocks, "
-                                    f"{len(self.free_block_ids)} are free")
+                                    f"{_free(len(self.free_block_ids))}")
         # Cached blocks first: a free one is taken out of the free queue before any fresh
         # block is popped, so the same allocation can never hand it out twice.
         for block_id in hit_block_ids:
@@ -346,7 +351,7 @@ class BlockManager:
         needed = self._blocks_to_append(seq)
         if needed > len(self.free_block_ids):
             raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {needed} free block(s), "
-                                    f"{len(self.free_block_ids)} are free")
+                                    f"{_free(len(self.free_block_ids))}")
         if self._needs_copy_on_write(seq):
             shared = self.blocks[seq.block_table[-1]]
             copy = self._allocate_block()
