@@ -23,8 +23,9 @@ the doubly linked ``FreeBlockQueue`` (chapter 03), which removes a revived block
 middle in O(1) and hands out the very same block ids.
 
 Statistics, named as vLLM names them: ``prefix_cache_stats`` counts prefix-cache
-``queries`` and ``hits`` in tokens, per admitted request, with the hit rate over all
-requests and over the most recent ones; ``kv_cache_usage`` is the fraction of blocks in use.
+``queries`` and ``hits`` in tokens, per first admission (a readmission after preemption is
+counted apart), with the hit rate over all requests and over the most recent ones;
+``kv_cache_usage`` is the fraction of blocks in use.
 """
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ from course_pkg.sequence import Sequence
 from course_pkg.validation import check_bool, check_choice, check_positive_int, is_int
 
 FREE_QUEUES = ("deque", "linked")
+
+
+def _free(n: int) -> str:
+    return f"{n} {'is' if n == 1 else 'are'} free"
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -59,13 +64,17 @@ def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
 
 
 class PrefixCacheStats:
-    """Prefix-cache lookups counted in tokens, as vLLM counts them.
+    """Prefix-cache lookups counted in tokens, as vLLM v1 counts them.
 
     Each admitted request adds its ``queries`` (all its tokens at admission) and its
-    ``hits`` (the tokens found in the cache). ``hit_rate`` is hits / queries over every
-    request so far; ``recent_hit_rate`` over the last ``max_recent_requests`` requests only
-    (vLLM's ``PrefixCachingMetrics`` window, 1000 by default), which follows a changing
-    workload where the all-time rate lags behind.
+    ``hits`` (the tokens found in the cache). A request that was preempted and is admitted
+    again is counted apart, in ``preempted_requests``, ``preempted_queries`` and
+    ``preempted_hits``: its re-lookup mostly finds the blocks it freed a moment before, so
+    counting it in would make the cache look better the more the scheduler preempts.
+    ``hit_rate`` (hits / queries over every first admission so far) and ``recent_hit_rate``
+    (over the last ``max_recent_requests`` first admissions: vLLM's ``CachingMetrics``
+    window, 1000 by default, which follows a changing workload where the all-time rate lags
+    behind) leave the preempted lookups out, as vLLM's exported hit rate does.
     """
 
     def __init__(self, max_recent_requests: int = 1000):
@@ -74,12 +83,24 @@ class PrefixCacheStats:
         self.requests = 0
         self.queries = 0
         self.hits = 0
+        self.preempted_requests = 0
+        self.preempted_queries = 0
+        self.preempted_hits = 0
         self.recent: deque[tuple[int, int]] = deque(maxlen=max_recent_requests)  # (queries, hits)
         self._recent_queries = 0
         self._recent_hits = 0
 
-    def record(self, queries: int, hits: int) -> None:
-        """Count one request that asked for ``queries`` tokens and found ``hits`` of them."""
+    def record(self, queries: int, hits: int, preempted: bool = False) -> None:
+        """Count one admission that asked for ``queries`` tokens and found ``hits`` of them.
+
+        ``preempted``: the request was preempted before (this is a readmission); it is
+        counted in the ``preempted_*`` fields only.
+        """
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += queries
+            self.preempted_hits += hits
+            return
         if len(self.recent) == self.max_recent_requests:
             old_queries, old_hits = self.recent[0]  # about to fall out of the window
             self._recent_queries -= old_queries
@@ -101,7 +122,9 @@ class PrefixCacheStats:
 
     def __repr__(self) -> str:
         return (f"PrefixCacheStats(requests={self.requests}, queries={self.queries}, "
-                f"hits={self.hits}, hit_rate={self.hit_rate:.3f}, recent_hit_rate={self.recent_hit_rate:.3f})")
+                f"hits={self.hits}, hit_rate={self.hit_rate:.3f}, recent_hit_rate={self.recent_hit_rate:.3f}, "
+                f"preempted_requests={self.preempted_requests}, preempted_queries={self.preempted_queries}, "
+                f"preempted_hits={self.preempted_hits})")
 
 
 class BlockManager:
@@ -286,7 +309,7 @@ class BlockManager:
         needed = self._num_new_blocks(seq, hit_block_ids)
         if needed > len(self.free_block_ids):
             raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {needed} free blocks, "
-                                    f"{len(self.free_block_ids)} are free")
+                                    f"{_free(len(self.free_block_ids))}")
         # Cached blocks first: a free one is taken out of the free queue before any fresh
         # block is popped, so the same allocation can never hand it out twice.
         for block_id in hit_block_ids:
@@ -301,7 +324,7 @@ class BlockManager:
         seq.block_hashes = hashes[:num_cached_blocks]
         seq.num_cached_tokens = num_cached_blocks * self.block_size
         self._holders[seq.seq_id] = seq
-        self.prefix_cache_stats.record(seq.num_tokens, seq.num_cached_tokens)
+        self.prefix_cache_stats.record(seq.num_tokens, seq.num_cached_tokens, preempted=seq.num_preemptions > 0)
 
     def can_append(self, seq: Sequence) -> bool:
         """Can ``seq`` get the blocks its newest token needs? (True when it needs none.)"""
@@ -328,7 +351,7 @@ class BlockManager:
         needed = self._blocks_to_append(seq)
         if needed > len(self.free_block_ids):
             raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {needed} free block(s), "
-                                    f"{len(self.free_block_ids)} are free")
+                                    f"{_free(len(self.free_block_ids))}")
         if self._needs_copy_on_write(seq):
             shared = self.blocks[seq.block_table[-1]]
             copy = self._allocate_block()

@@ -33,8 +33,10 @@ class UnguardedBlockManager(BlockManager):
     """A BlockManager without the stale-entry guard (chapter 04's foil -- never use it).
 
     When it hands out a free block for new content it leaves the block's old index entry
-    in place. The token check on a hit does not save it: the block may later hold the
-    same tokens after another prefix, and then the stale entry yields a wrong hit.
+    in place. The block may later hold the same tokens after another prefix; the stale
+    entry then finds it, and only the exact check (``_confirms_hit``: the parent's prefix
+    id) refuses the wrong hit. The index keeps growing with entries for content that no
+    longer exists.
     """
 
     def _maybe_evict_cached_block(self, block: Block) -> None:

@@ -17,8 +17,8 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 
 def test_every_chapter_is_there():
     names = [p.stem for p in NOTEBOOKS]
-    for chapter in ["01_block", "02_block_manager", "03_lru_reversed_deallocate", "04_prefix_caching",
-                    "05_triton_paged_attention", "06_engine"]:
+    for chapter in ["00_overview", "01_block", "02_block_manager", "03_lru_reversed_deallocate", "04_prefix_caching",
+                    "05_triton_paged_attention", "06_engine", "07_claims", "08_forks_copy_on_write", "10_tensor_parallel"]:
         assert chapter in names
 
 
@@ -40,14 +40,50 @@ def test_notebook_is_executed_in_order_and_clean(path):
     assert first["cell_type"] == "markdown" and "".join(first["source"]).startswith("# "), "no title cell"
 
 
-@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.stem[:2] in {"01", "02", "03", "04", "05", "06", "09"}],
-                         ids=lambda p: p.stem)
+CHAPTERS = [p for p in NOTEBOOKS if p.stem[:2] in {"00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10"}]
+
+
+def headings(nb) -> list[str]:
+    return [line for c in nb["cells"] if c["cell_type"] == "markdown"
+            for line in "".join(c["source"]).splitlines() if line.startswith("#")]
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
 def test_chapter_has_exercises_with_self_checks_and_a_summary(path):
     nb = json.loads(path.read_text())
-    headings = [line for c in nb["cells"] if c["cell_type"] == "markdown"
-                for line in "".join(c["source"]).splitlines() if line.startswith("#")]
-    assert any("exercise" in h.lower() for h in headings), "no exercises section"
-    assert any("summary" in h.lower() for h in headings), "no summary section"
+    heads = headings(nb)
+    assert any("exercise" in h.lower() for h in heads), "no exercises section"
+    assert any("summary" in h.lower() for h in heads), "no summary section"
     code = "".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
     assert "check(" in code, "exercises without a self-check"
-    assert "show_source(" in code, "the chapter does not show the package's code"
+    assert "show_source(" in code or path.stem == "07_claims", "the chapter does not show the package's code"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_chapter_ends_with_references_then_hidden_solutions(path):
+    """Summary, References, Solutions: the last three sections, in that order; every solution
+    cell is folded (JupyterLab's source_hidden) so a reader meets the exercise first."""
+    nb = json.loads(path.read_text())
+    top = [h for h in headings(nb) if h.startswith("## ")]
+    assert [h.lower() for h in top[-3:]] == ["## summary", "## references", "## solutions"]
+    cells = nb["cells"]
+    start = max(i for i, c in enumerate(cells) if c["cell_type"] == "markdown"
+                and "".join(c["source"]).startswith("## Solutions"))
+    refs = next(c for c in cells if c["cell_type"] == "markdown" and "".join(c["source"]).startswith("## References"))
+    assert "https://" in "".join(refs["source"]), "references without links"
+    solution_cells = [c for c in cells[start:] if c["cell_type"] == "code"]
+    assert solution_cells and all(c["metadata"].get("jupyter", {}).get("source_hidden") for c in solution_cells)
+    assert all(any("Correct" in "".join(o.get("text", "")) for o in c["outputs"]) for c in solution_cells), \
+        "a solution cell does not print Correct"
+    before = [c for c in cells[:start] if c["cell_type"] == "code"]
+    assert not any("Correct" in "".join(o.get("text", "")) for c in before for o in c["outputs"]), \
+        "an exercise cell before the solutions is already answered"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_chapter_has_an_exercise_that_asks_for_code(path):
+    nb = json.loads(path.read_text())
+    cells = nb["cells"]
+    start = max(i for i, c in enumerate(cells) if "".join(c["source"]).startswith("## Solutions"))
+    exercise_code = "".join("".join(c["source"]) for c in cells[:start] if c["cell_type"] == "code")
+    assert "check_function(" in exercise_code and "# your code here" in exercise_code

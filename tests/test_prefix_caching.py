@@ -74,7 +74,7 @@ def test_a_failed_allocation_changes_nothing(free_queue):
     before = state(bm)
     b = Sequence([1, 2, 3, 4, 9, 9, 9, 9], block_size=2)  # 2 hits + 2 fresh, 1 free
     assert bm.can_allocate(b) == -1
-    with pytest.raises(NoFreeBlocksError, match="needs 2 free blocks, 1 are free"):
+    with pytest.raises(NoFreeBlocksError, match="needs 2 free blocks, 1 is free"):
         bm.allocate(b, 2)
     with pytest.raises(NoFreeBlocksError):
         bm.allocate(b, 0)

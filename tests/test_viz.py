@@ -379,3 +379,68 @@ def test_make_figures_is_deterministic_and_makes_the_readme_picture():
     assert first == second
     assert {"block_manager_state.png", "block_manager_steps.png"} <= set(first)
     assert all(png[:8] == b"\x89PNG\r\n\x1a\n" for png in first.values())
+
+
+# ------------------------------------------------------------------ exercise checks
+
+from course_pkg.viz import check, check_function, same_answer, show_lines  # noqa: E402
+
+
+@pytest.mark.parametrize("answer, expected, tolerance", [
+    (True, 1, None), (1, True, None), (1.0, 1, None), (1, 1.0, 0.1), ("1", 1, None),
+    ([1, 2], (1, 2), None), ((1, True), (1, 1), None), ({"a": 1}, {"a": 1.0}, 0.1),
+    ([0, 1], [0, 1, 2], None),
+])
+def test_check_is_type_strict(answer, expected, tolerance, capsys):
+    assert not same_answer(answer, expected, tolerance)
+    check(answer, expected, tolerance=tolerance)
+    assert capsys.readouterr().out.startswith("Not quite")
+
+
+def test_check_accepts_the_same_value_of_the_same_type(capsys):
+    for value in (3, True, "B", (3, "shared"), [3, 4, 2, 1, 0], {"x": [1, 2]}):
+        check(value, value)
+        assert capsys.readouterr().out == "Correct.\n"
+
+
+def test_floats_need_a_stated_tolerance(capsys):
+    with pytest.raises(ValueError, match="tolerance"):
+        check(0.1353, 0.1353)
+    check(0.1353, 0.13533528, tolerance=1e-4)
+    assert capsys.readouterr().out.startswith("Correct")
+    check(0.14, 0.13533528, tolerance=1e-4)
+    assert capsys.readouterr().out.startswith("Not quite")
+    assert not same_answer(float("nan"), 0.5, tolerance=1.0)
+
+
+def test_an_unanswered_exercise_says_so(capsys):
+    check(..., 3)
+    def todo(n):
+        ...
+    check_function(todo, lambda n: n, [1, 2])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("Not answered yet") and out[1].startswith("Not answered yet")
+
+
+def test_check_function_reports_the_first_failing_case(capsys):
+    def blocks(n, bs):
+        return n // bs            # wrong: should round up
+    check_function(blocks, lambda n, bs: -(-n // bs), [(8, 4), (9, 4), (10, 4)])
+    out = capsys.readouterr().out
+    assert "blocks(9, 4) returned 2" in out and "expected 3" in out
+    check_function(lambda n, bs: -(-n // bs), lambda n, bs: (n + bs - 1) // bs,
+                   [(n, bs) for n in range(1, 30) for bs in (1, 3, 16)])
+    assert capsys.readouterr().out == "Correct on all 87 cases.\n"
+
+
+def test_show_lines_shows_an_excerpt_between_markers():
+    def sample():
+        a = 1
+        b = 2
+        c = 3
+        return a + b + c
+    text = show_lines(sample, "b = 2", "c = 3").data
+    assert text == "b = 2\nc = 3"
+    assert show_lines(sample, "return").data == "return a + b + c"
+    with pytest.raises(ValueError, match="no line containing 'zzz'"):
+        show_lines(sample, "zzz")

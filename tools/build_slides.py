@@ -26,6 +26,11 @@ only fill in the cells that have none):
 5. Everything else (``-``) continues the current slide; a slide too long for the screen
    scrolls.
 
+The notebook passes run inside nbconvert as ``Preprocessor`` s, before the reveal template's
+own: ``EmbedLocalImages``, ``SplitAtHeadings`` (rule 0) and ``MarkSlides`` (rules 1-5). Each
+wraps a plain function of the same job (``embed_local_images``, ``split_at_headings``,
+``mark_slides``) that returns a new notebook and leaves its argument unchanged.
+
 Self-contained decks: figures are PNG outputs, which nbconvert writes into the HTML as
 ``data:`` URIs; markdown images that are files of the course (e.g. ../figures/*.png) are
 embedded as ``data:`` URIs too. The widgets' saved state (stored by
@@ -54,6 +59,8 @@ import tempfile
 from pathlib import Path
 
 import nbformat
+from nbconvert.preprocessors import Preprocessor
+from traitlets import Unicode
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -279,18 +286,55 @@ def embed_local_images(nb, notebook_dir: Path, allowed_root: Path):
     return embedded
 
 
-def export_deck(notebook: Path, out_dir: Path) -> Path:
-    """Write ``<out_dir>/<notebook stem>.slides.html`` and return its path."""
+class EmbedLocalImages(Preprocessor):
+    """nbconvert pass: markdown images that are files under ``root`` become ``data:`` URIs
+    (``embed_local_images``; the notebook's folder comes from ``resources["metadata"]["path"]``)."""
+
+    root = Unicode("", help="only files under this folder are embedded (default: the "
+                            "notebook folder's parent)").tag(config=True)
+
+    def preprocess(self, nb, resources):
+        notebook_dir = Path(resources["metadata"]["path"])
+        root = Path(self.root) if self.root else notebook_dir.parent
+        return embed_local_images(nb, notebook_dir, root), resources
+
+
+class SplitAtHeadings(Preprocessor):
+    """nbconvert pass: rule 0, a markdown cell is cut before each inner heading."""
+
+    def preprocess(self, nb, resources):
+        return split_at_headings(nb), resources
+
+
+class MarkSlides(Preprocessor):
+    """nbconvert pass: rules 1-5, every cell gets ``metadata.slideshow.slide_type``."""
+
+    def preprocess(self, nb, resources):
+        return mark_slides(nb), resources
+
+
+# In this order, before the reveal template's own passes (which read slide_type).
+SLIDE_PREPROCESSORS = [EmbedLocalImages, SplitAtHeadings, MarkSlides]
+
+
+def slides_exporter(root: Path):
+    """nbconvert's SlidesExporter with the course's template, settings and notebook passes;
+    local images are embedded only from files under ``root``."""
     from jinja2 import DictLoader
     from nbconvert import SlidesExporter
     from traitlets.config import Config
 
-    exporter = SlidesExporter(config=Config({"SlidesExporter": EXPORTER_CONFIG}),
-                              extra_loaders=[DictLoader(TEMPLATE)])
+    config = Config({"SlidesExporter": {**EXPORTER_CONFIG, "preprocessors": SLIDE_PREPROCESSORS},
+                     "EmbedLocalImages": {"root": str(root)}})
+    return SlidesExporter(config=config, extra_loaders=[DictLoader(TEMPLATE)])
+
+
+def export_deck(notebook: Path, out_dir: Path) -> Path:
+    """Write ``<out_dir>/<notebook stem>.slides.html`` and return its path."""
+    exporter = slides_exporter(notebook.parent.parent)
     nb = nbformat.read(notebook, as_version=4)
-    nb = embed_local_images(nb, notebook.parent, notebook.parent.parent)
     body, _ = exporter.from_notebook_node(
-        mark_slides(split_at_headings(nb)), resources={"metadata": {"name": notebook.stem, "path": str(notebook.parent)}})
+        nb, resources={"metadata": {"name": notebook.stem, "path": str(notebook.parent)}})
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / f"{notebook.stem}.slides.html"
     target.write_text(body, encoding="utf-8")
@@ -320,14 +364,19 @@ def vendor(out_dir: Path, npm: str = "npm") -> Path:
             if result.returncode != 0 or tgz is None or not tgz.exists():
                 raise RuntimeError(f"npm pack {spec} failed: {result.stderr.strip()[-500:]}")
             with tarfile.open(tgz) as tar:
+                # npm packs everything under "package/"; keep the listed files, without that prefix.
+                members = []
                 for member in tar.getmembers():
                     rel = member.name.split("/", 1)[1] if "/" in member.name else ""
-                    if (not member.isfile() or not rel.startswith(keep) or rel in drop
-                            or rel.endswith(".map") or ".." in Path(rel).parts):
-                        continue
-                    dest = target / folder / rel
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    dest.write_bytes(tar.extractfile(member).read())
+                    if member.isfile() and rel.startswith(keep) and rel not in drop and not rel.endswith(".map"):
+                        members.append(member.replace(name=rel, deep=False))
+                try:
+                    # The "data" filter refuses absolute paths, paths that leave the folder,
+                    # links and device files, and drops permission bits we do not want.
+                    tar.extractall(target / folder, members=members, filter="data")
+                except tarfile.FilterError as exc:
+                    shutil.rmtree(target, ignore_errors=True)
+                    raise RuntimeError(f"npm pack {spec}: refusing to unpack {exc.tarinfo.name!r} ({exc})") from exc
     for folder in WIDGET_FONT_DIRS:
         shutil.rmtree(out_dir / folder, ignore_errors=True)
         (out_dir / folder).mkdir(parents=True)

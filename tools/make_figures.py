@@ -70,7 +70,7 @@ def figures() -> dict[str, bytes]:
     # The last snapshot with each label: A's third may_append is the one that takes a block.
     steps = [next(s for s in reversed(changing) if s.label == label) for label in wanted]
     out["block_manager_steps.png"] = figure_png(
-        draw_steps(steps, ncols=2, title="Admission, sharing, append, release and revival, step by step"), dpi=80)
+        draw_steps(steps, ncols=1, title="Admission, sharing, append, release and revival, step by step"), dpi=80)
     return out
 
 

@@ -31,6 +31,11 @@ class Watched:
         return max(self.blocks, default=0)
 
     @property
+    def block_steps(self) -> int:
+        """Blocks held, summed over the steps: the memory-time the run occupied."""
+        return sum(self.blocks)
+
+    @property
     def mean_blocks(self) -> float:
         return sum(self.blocks) / len(self.blocks) if self.blocks else 0.0
 

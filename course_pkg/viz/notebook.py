@@ -1,7 +1,13 @@
-"""Small helpers the chapter notebooks share: show the package's code, check an exercise."""
+"""Small helpers the chapter notebooks share: show the package's code, check an exercise.
+
+``check`` is strict on purpose: an exercise that asks for a number of blocks wants an ``int``,
+and ``True``, ``1.0`` or ``"1"`` are other answers (Python's ``==`` would accept the first
+two). A float is only ever compared within a tolerance that the exercise states.
+"""
 from __future__ import annotations
 
 import inspect
+import math
 import textwrap
 
 
@@ -16,14 +22,94 @@ def show_source(obj) -> "IPython.display.Code":
     return Code(textwrap.dedent(inspect.getsource(obj)), language="python")
 
 
-def check(answer, expected, hint: str = "") -> None:
-    """Self-check for an exercise: prints whether ``answer`` equals ``expected``.
+def show_lines(obj, start: str, stop: str | None = None) -> "IPython.display.Code":
+    """Display an excerpt of ``obj``'s source: from the first line containing ``start`` up to
+    and including the first later line containing ``stop`` (to the end when ``stop`` is None).
 
-    Leave ``answer`` as ``...`` (Ellipsis) until you have one.
+    Markers are text, not line numbers, so an excerpt follows the code when lines move; a
+    marker that is not found raises ``ValueError`` (the excerpt would silently show the wrong
+    lines otherwise).
+    """
+    from IPython.display import Code
+
+    lines = textwrap.dedent(inspect.getsource(obj)).splitlines()
+    first = _find_line(lines, start, 0, obj)
+    last = len(lines) - 1 if stop is None else _find_line(lines, stop, first + 1, obj)
+    return Code(textwrap.dedent("\n".join(lines[first:last + 1])), language="python")
+
+
+def _find_line(lines: list[str], marker: str, begin: int, obj) -> int:
+    for i in range(begin, len(lines)):
+        if marker in lines[i]:
+            return i
+    name = getattr(obj, "__qualname__", repr(obj))
+    raise ValueError(f"no line containing {marker!r} in the source of {name} (from line {begin + 1} on)")
+
+
+def same_answer(answer, expected, tolerance: float | None = None) -> bool:
+    """``answer`` equals ``expected`` with the same type at every level (``True`` is not ``1``,
+    ``1.0`` is not ``1``, a list is not a tuple). Floats compare within ``tolerance``
+    (absolute); without one, a float in ``expected`` raises ``ValueError``: the exercise must
+    say how close is close enough."""
+    if isinstance(expected, float):
+        if tolerance is None:
+            raise ValueError("a float answer needs a stated tolerance: check(..., tolerance=...)")
+        if type(answer) is not type(expected):
+            return
+        return math.isfinite(answer) and abs(answer - expected) <= tolerance
+    if type(answer) is not type(expected):
+        return
+    if isinstance(expected, (list, tuple)):
+        return len(answer) == len(expected) and all(
+            same_answer(a, e, tolerance) for a, e in zip(answer, expected))
+    if isinstance(expected, dict):
+        return answer.keys() == expected.keys() and all(
+            same_answer(answer[k], expected[k], tolerance) for k in expected)
+    if isinstance(expected, (set, frozenset)):
+        return answer == expected and all(type(a) in {type(e) for e in expected} for a in answer)
+    return answer == expected
+
+
+def _kind(value) -> str:
+    return type(value).__name__
+
+
+def check(answer, expected, hint: str = "", *, tolerance: float | None = None) -> None:
+    """Self-check for an exercise: prints whether ``answer`` is ``expected``.
+
+    Leave ``answer`` as ``...`` (Ellipsis) until you have one. The comparison is type-strict
+    (see ``same_answer``); ``tolerance`` is the absolute error allowed for floats.
     """
     if answer is ...:
         print("Not answered yet: replace ... with your answer and run the cell again.")
-    elif answer == expected:
-        print("Correct.")
+        return
+    if same_answer(answer, expected, tolerance):
+        print("Correct." if tolerance is None else f"Correct (within {tolerance:g}).")
+        return
+    if type(answer) is not type(expected) and not isinstance(expected, (list, tuple, dict, set)):
+        print(f"Not quite: got {answer!r}, a {_kind(answer)}; the answer is a {_kind(expected)}."
+              + (f" Hint: {hint}" if hint else ""))
     else:
         print(f"Not quite: got {answer!r}." + (f" Hint: {hint}" if hint else ""))
+
+
+def check_function(fn, reference, cases, hint: str = "", *, tolerance: float | None = None) -> None:
+    """Self-check for an exercise that asks for code: call ``fn(*case)`` and
+    ``reference(*case)`` for every case and print the first case where they differ.
+
+    ``fn`` still holding only ``...`` (it returns None) counts as not answered yet.
+    """
+    cases = [c if isinstance(c, tuple) else (c,) for c in cases]
+    for case in cases:
+        got = fn(*case)
+        if got is None:
+            print("Not answered yet: write the function's body and run the cell again.")
+            return
+        want = reference(*case)
+        if not same_answer(got, want, tolerance):
+            args = ", ".join(map(repr, case))
+            print(f"Not quite: {fn.__name__}({args}) returned {got!r} ({_kind(got)}), "
+                  f"expected {want!r} ({_kind(want)})." + (f" Hint: {hint}" if hint else ""))
+            return
+    print(f"Correct on all {len(cases)} cases." if tolerance is None
+          else f"Correct on all {len(cases)} cases (within {tolerance:g}).")

@@ -21,8 +21,9 @@ from course_pkg.workloads.requests import Request
 
 @dataclass(frozen=True)
 class SimResult:
-    """What a run measured. Token counts are vLLM's: queries and hits in tokens; a preempted
-    request is queried again at readmission and its recomputation counts as computed tokens."""
+    """What a run measured. Token counts are vLLM v1's: queries and hits in tokens, at first
+    admission only (a preempted request's re-lookup is counted apart, in the BlockManager's
+    ``prefix_cache_stats.preempted_*``); its recomputation counts as computed tokens."""
 
     num_requests: int
     num_steps: int

@@ -1,12 +1,21 @@
-"""Fixtures for the browser tests: Debian's Chromium (via playwright) and a throw-away JupyterLab.
+"""Fixtures for the browser tests: pytest-playwright's, on Debian's Chromium, and a JupyterLab.
+
+pytest-playwright provides ``browser``, ``context`` and ``page``; this file only tells it which
+browser to start and how:
 
 - ``chromium_path``: the Chromium binary, or a skip with the reason when this machine has none
   (``tools/ensure_chromium.sh``, run by ``make test``, installs it on Debian-like systems).
-  The tests never download a browser: playwright drives this binary via ``executable_path``.
+  The tests never download a browser: ``browser_type_launch_args`` hands this binary to
+  playwright as ``executable_path``.
+- ``browser_context_args``: the viewport of every page.
 - ``lab``: one JupyterLab per test session on 127.0.0.1, serving a *copy* of notebooks/ from a
   temporary folder; stopped (sessions, kernels, server) at the end of the session.
-- ``page``: a fresh browser page per test; the test's kernels are shut down after it.
+- ``page``: pytest-playwright's page, with the lab running; the test's kernels are shut down
+  after it.
 - ``shots``: the folder the screenshots go to (printed at the end of the run; look at them).
+
+Waiting is Playwright's: locator actions and ``expect`` assertions retry until they hold or
+their timeout (30 s here) runs out.
 """
 from __future__ import annotations
 
@@ -41,20 +50,25 @@ def chromium_path() -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def browser(chromium_path):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(chromium_path), headless=True, args=CHROMIUM_ARGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
+TIMEOUT_MS = 30_000
 
 
 @pytest.fixture(scope="session")
-def lab(browser, tmp_path_factory):
+def browser_type_launch_args(browser_type_launch_args, chromium_path):
+    return {**browser_type_launch_args, "executable_path": str(chromium_path), "headless": True,
+            "args": CHROMIUM_ARGS}
+
+
+@pytest.fixture(scope="session")
+def browser_context_args(browser_context_args):
+    from playwright.sync_api import expect
+
+    expect.set_options(timeout=TIMEOUT_MS)
+    return {**browser_context_args, "viewport": {"width": 1500, "height": 1000}}
+
+
+@pytest.fixture(scope="session")
+def lab(chromium_path, tmp_path_factory):
     server = LabServer.start(NOTEBOOKS, tmp_path_factory.mktemp("jupyterlab"))
     try:
         yield server
@@ -70,14 +84,12 @@ def shots(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def page(browser, lab):
-    context = browser.new_context(viewport={"width": 1500, "height": 1000})
-    context.set_default_timeout(30_000)
-    page = context.new_page()
+def page(page, lab):
+    page.set_default_timeout(TIMEOUT_MS)
     try:
         yield page
     finally:
-        context.close()
+        page.context.close()
         for session in lab.api("GET", "/api/sessions") or []:
             lab.api("DELETE", f"/api/sessions/{session['id']}")
 

@@ -11,10 +11,11 @@ text with another step's figure.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import nbformat
+from playwright.sync_api import Error as PlaywrightError
+from playwright.sync_api import expect
 
 from labdriver import LabServer, clear_outputs, open_notebook, run_all_cells
 
@@ -53,6 +54,24 @@ _READ_JS = """async (box) => {
 }"""
 
 
+# True once the figure's bytes hash to the expected SHA-256. page.wait_for_function needs a
+# synchronous predicate (a Promise would count as "true" at once), so each poll starts hashing
+# the current image if it has not been hashed yet and compares the hash when it is ready.
+_FIGURE_IS_JS = """([box, sha]) => {
+    const img = box.querySelector('img.stepper-figure') || box.querySelector('.stepper-figure img');
+    if (!img || !img.src) return false;
+    const memo = box.__courseFigure;
+    if (!memo || memo.src !== img.src) {
+        const entry = {src: img.src, sha: null};
+        box.__courseFigure = entry;
+        fetch(img.src).then(r => r.arrayBuffer()).then(buf => crypto.subtle.digest('SHA-256', buf))
+            .then(d => { entry.sha = Array.from(new Uint8Array(d)).map(b => b.toString(16).padStart(2, '0')).join(''); });
+        return false;
+    }
+    return memo.sha === sha;
+}"""
+
+
 def add_probe(notebook: Path) -> None:
     """Append the probe cell to ``notebook`` (a temporary copy)."""
     nb = nbformat.read(notebook, as_version=4)
@@ -87,19 +106,25 @@ class StepperOnPage:
     def read(self) -> dict:
         return self.box.evaluate(_READ_JS)
 
-    def expect_step(self, index: int, action: str, timeout: float = 20.0) -> None:
-        """Wait (bounded) until the page shows step ``index``; fail naming every difference."""
-        deadline = time.monotonic() + timeout
-        while True:
-            shown = self.read()
-            problems = shows_step(shown, self.steps, index)
-            if not problems:
-                break
-            if time.monotonic() > deadline:
-                self.screenshot(f"FAILED-after-{action}")
-                raise AssertionError(f"{self.name}: after {action}, the stepper does not show step "
-                                     f"{index + 1} within {timeout:.0f} s: " + "; ".join(problems))
-            time.sleep(0.25)
+    def expect_step(self, index: int, action: str) -> None:
+        """Wait until the page shows step ``index`` (Playwright's auto-waiting ``expect``), then
+        compare label, text, figure and slider exactly; fail naming every difference."""
+        want, n = self.steps[index], len(self.steps)
+        label = self.box.locator(".stepper-label")
+        try:
+            expect(label).to_contain_text(f"step {index + 1} of {n}")
+            expect(label).to_contain_text(want["label"])
+            expect(self.box.locator(".stepper-text pre")).to_have_text(want["text"])
+            expect(self.box.locator(".stepper-slider .widget-readout")).to_have_text(str(index))
+            self.page.wait_for_function(_FIGURE_IS_JS, arg=[self.box.element_handle(), want["png_sha256"]],
+                                        polling=100)
+        except (AssertionError, PlaywrightError):
+            pass  # reported below, with every difference at once
+        problems = shows_step(self.read(), self.steps, index)
+        if problems:
+            self.screenshot(f"FAILED-after-{action}")
+            raise AssertionError(f"{self.name}: after {action}, the stepper does not show step "
+                                 f"{index + 1}: " + "; ".join(problems))
         self.index = index
         self.screenshot(action)
 
@@ -136,15 +161,12 @@ def load_chapter(page, lab: LabServer, name: str, shots: Path) -> list[StepperOn
             for i in range(boxes.count())]
 
 
-def _match(box, expectations: list[dict], name: str, position: int, timeout: float = 20.0) -> list[dict]:
-    """The expectations whose first step this stepper shows (waiting, bounded, for it to render)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        shown = box.evaluate(_READ_JS)
-        for candidate in expectations:
-            if not shows_step(shown, candidate["steps"], 0):
-                return candidate["steps"]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{name}: stepper #{position + 1} in the page does not show the first "
-                                 f"step of any Stepper the kernel holds; it shows {shown['label']!r}")
-        time.sleep(0.25)
+def _match(box, expectations: list[dict], name: str, position: int) -> list[dict]:
+    """The expectations whose first step this stepper shows (once it has rendered step 1)."""
+    expect(box.locator(".stepper-label")).to_contain_text("step 1 of ")
+    shown = box.evaluate(_READ_JS)
+    for candidate in expectations:
+        if not shows_step(shown, candidate["steps"], 0):
+            return candidate["steps"]
+    raise AssertionError(f"{name}: stepper #{position + 1} in the page does not show the first "
+                         f"step of any Stepper the kernel holds; it shows {shown['label']!r}")

@@ -9,7 +9,9 @@ from __future__ import annotations
 import nbformat
 import pytest
 
-from labdriver import open_notebook, run_all_cells, wait_until
+from playwright.sync_api import expect
+
+from labdriver import open_notebook, run_all_cells
 
 PROBE_SOURCE = '''\
 import ipywidgets as w
@@ -39,15 +41,14 @@ def test_lab_runs_a_notebook_and_widgets_answer(page, lab, shots):
     assert page.locator(".jp-OutputArea-output", has_text="42").count() == 1
 
     label = page.locator(".probe-label")
-    label.wait_for()
-    assert label.inner_text() == "step 0"
+    expect(label).to_have_text("step 0")
     page.locator(".probe-next").click()
-    wait_until(lambda: label.inner_text() == "step 1", 10, "the label to read step 1")
+    expect(label).to_have_text("step 1")
     page.locator(".probe-slider .noUi-handle").focus()
     page.keyboard.press("ArrowRight")
-    wait_until(lambda: label.inner_text() == "step 2", 10, "the label to read step 2")
+    expect(label).to_have_text("step 2")
     page.locator(".probe-prev").click()
-    wait_until(lambda: label.inner_text() == "step 1", 10, "the label to read step 1 again")
+    expect(label).to_have_text("step 1")
     page.locator(".probe-box").screenshot(path=shots / "harness_probe.png")
 
     assert len(lab.running_kernels()) == 1  # this test's kernel; the page fixture shuts it down

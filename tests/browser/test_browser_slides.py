@@ -7,13 +7,15 @@ stepper must render from the saved widget state, and the arrow keys must change 
 """
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
+from playwright.sync_api import expect
 
 from tests.helpers import load_build_slides
 
-from labdriver import NOTEBOOKS, REPO, wait_until
+from labdriver import NOTEBOOKS
 
 CHAPTER = NOTEBOOKS / "02_block_manager.ipynb"
 
@@ -29,7 +31,6 @@ def deck(tmp_path_factory):
 
 def test_deck_opens_offline_with_figures_widgets_and_navigation(browser, deck, shots):
     context = browser.new_context(viewport={"width": 1280, "height": 800})
-    context.set_default_timeout(30_000)
     page = context.new_page()
     errors, remote = [], []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
@@ -37,19 +38,16 @@ def test_deck_opens_offline_with_figures_widgets_and_navigation(browser, deck, s
             else remote.append(req.url))
     try:
         page.goto(deck.as_uri())
-        page.locator(".reveal.ready").wait_for(state="attached")
-        wait_until(lambda: page.evaluate("Array.from(document.images).every(i => i.complete)"), 20,
-                   "every image of the deck to load")
+        expect(page.locator(".reveal.ready")).to_be_attached()
+        page.wait_for_function("Array.from(document.images).every(i => i.complete)")
         widths = page.evaluate("Array.from(document.images).map(i => i.naturalWidth)")
         assert widths and all(w > 0 for w in widths), f"images that did not decode: {widths}"
 
-        label = page.locator(".course-stepper .stepper-label").first
-        label.wait_for(state="attached")
-        assert label.text_content().startswith("step 1 of ")
+        expect(page.locator(".course-stepper .stepper-label").first).to_contain_text(re.compile(r"^step 1 of "))
 
-        start = page.evaluate("location.hash")
+        start = page.url
         page.keyboard.press("ArrowRight")
-        wait_until(lambda: page.evaluate("location.hash") != start, 10, "the next slide")
+        expect(page).not_to_have_url(start)
         page.screenshot(path=shots / "slides-02-second-slide.png")
         # Jump to the stepper's slide by its address, as a lecturer's link would, and look at it.
         address = page.evaluate("""() => {
@@ -60,9 +58,8 @@ def test_deck_opens_offline_with_figures_widgets_and_navigation(browser, deck, s
             return '#/' + h + '/' + v;
         }""")
         page.evaluate("(address) => { location.hash = address; }", address)
-        wait_until(lambda: page.locator("section.present .course-stepper").count() > 0, 10,
-                   f"the stepper's slide {address} to be shown")
         stepper = page.locator("section.present .course-stepper").first
+        expect(stepper).to_be_attached()
         stepper.scroll_into_view_if_needed()
         page.screenshot(path=shots / "slides-02-stepper-slide.png")
         assert errors == [], f"script errors in the deck: {errors}"
