@@ -405,40 +405,11 @@ class LLMEngine:
             seqs, is_prefill = self.scheduler.schedule()
             scheduled = tuple((s.seq_id, s.num_cached_tokens, s.num_scheduled_tokens) for s in seqs)
             preempted = tuple(s.seq_id for s in self.scheduler.preempted)
-            self._note_scheduled(seqs, preempted, time.perf_counter())
             copies = tuple(self.scheduler.blocks_to_copy)
-            try:
-                # Every read of a block before any write into it: a block freed by a preemption
-                # in this step may already be a copy's or a swap-in's destination (chapter 09).
-                self.model_runner.swap_out(self.scheduler.blocks_to_swap_out)
-                self.model_runner.copy_blocks(list(copies))   # copy-on-write, before the forward pass
-                self.model_runner.swap_in(self.scheduler.blocks_to_swap_in)
-                token_ids, logprobs = self.model_runner.run_with_logprobs(seqs)
-                finished = self.scheduler.postprocess(seqs, token_ids, logprobs)
-            except BaseException:
-                self.scheduler.unschedule(seqs)   # nothing recorded: the next step redoes it
-                raise
-            for seq in finished:   # a request is done when all its completions are
-                rid = seq.request_id
-                if rid not in self._ready and all(s.is_finished for s in self._completions(rid)):
-                    self._ready.append(rid)
-            now = time.perf_counter()
-            sampled_requests = set()   # a request's completions sample together: one token time per step
-            for seq, token in zip(seqs, token_ids):
-                if token is None or seq.request_id in sampled_requests:
-                    continue
-                sampled_requests.add(seq.request_id)
-                metrics = self._requests[seq.request_id].metrics
-                first = metrics.first_token_time is None
-                metrics.record_token(now, self.num_steps)
-                self.prometheus.observe_token(metrics.time_to_first_token if first else None,
-                                              None if first else metrics.inter_token_latencies[-1])
-            # Build every output before handing any out: if the tokenizer raises, they all
-            # stay pending and the next step hands them out.
-            outputs = [self._make_output(rid) for rid in self._ready]
-            for rid in self._ready:
-                del self._requests[rid]
-            self._ready = []
+            self._note_scheduled(seqs, preempted, time.perf_counter())
+            token_ids, finished = self._run(seqs, copies)
+            self._note_tokens(seqs, token_ids, time.perf_counter())
+            outputs = self._hand_out(finished)
             self.last_step = StepInfo(
                 step=self.num_steps, is_prefill=is_prefill, scheduled=scheduled,
                 sampled=tuple((s.seq_id, t) for s, t in zip(seqs, token_ids) if t is not None),
@@ -446,6 +417,53 @@ class LLMEngine:
             self.num_steps += 1
             self._observe_finished(outputs)
             return outputs
+
+    def _run(self, seqs: list[Sequence], copies: tuple[tuple[int, int], ...]):
+        """The step's block copies, its forward pass and its bookkeeping: ``(tokens, finished)``.
+
+        If any of it raises, ``unschedule`` undoes the step (nothing was recorded) and the next
+        step computes the same tokens again. The copies come first, every read of a block
+        before any write into it: a block freed by a preemption in this step may already be a
+        copy's or a swap-in's destination (chapter 09).
+        """
+        runner = self.model_runner
+        try:
+            runner.swap_out(self.scheduler.blocks_to_swap_out)
+            runner.copy_blocks(list(copies))   # copy-on-write, before the forward pass
+            runner.swap_in(self.scheduler.blocks_to_swap_in)
+            token_ids, logprobs = runner.run_with_logprobs(seqs)
+            return token_ids, self.scheduler.postprocess(seqs, token_ids, logprobs)
+        except BaseException:
+            self.scheduler.unschedule(seqs)
+            raise
+
+    def _note_tokens(self, seqs: list[Sequence], token_ids: list, now: float) -> None:
+        sampled_requests = set()   # a request's completions sample together: one token time per step
+        for seq, token in zip(seqs, token_ids):
+            if token is None or seq.request_id in sampled_requests:
+                continue
+            sampled_requests.add(seq.request_id)
+            metrics = self._requests[seq.request_id].metrics
+            first = metrics.first_token_time is None
+            metrics.record_token(now, self.num_steps)
+            self.prometheus.observe_token(metrics.time_to_first_token if first else None,
+                                          None if first else metrics.inter_token_latencies[-1])
+
+    def _hand_out(self, finished: list[Sequence]) -> list[RequestOutput]:
+        """The outputs of the requests whose every completion has finished, each exactly once.
+
+        Every output is built before any is handed out: if the tokenizer raises, they all stay
+        pending and the next step hands them out.
+        """
+        for seq in finished:
+            rid = seq.request_id
+            if rid not in self._ready and all(s.is_finished for s in self._completions(rid)):
+                self._ready.append(rid)
+        outputs = [self._make_output(rid) for rid in self._ready]
+        for rid in self._ready:
+            del self._requests[rid]
+        self._ready = []
+        return outputs
 
     def _observe_finished(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
