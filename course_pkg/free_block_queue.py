@@ -21,6 +21,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Iterator
 
+from course_pkg.validation import check_int
+
 _NONE = -1  # "no link": the block is not in the queue
 
 
@@ -39,8 +41,7 @@ class FreeBlockQueue:
     def __init__(self, num_blocks: int, block_ids: Iterable[int] | None = None):
         """A queue over ids ``0 .. num_blocks - 1`` holding ``block_ids`` in that order
         (all ids in ascending order when ``block_ids`` is None, like ``deque(range(n))``)."""
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
-            raise ValueError(f"num_blocks must be an integer >= 0, got {num_blocks!r}")
+        check_int("num_blocks", num_blocks, minimum=0)
         self.num_blocks = num_blocks
         self._head = num_blocks
         self._tail = num_blocks + 1

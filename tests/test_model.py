@@ -384,7 +384,7 @@ def test_loader_refuses_query_heads_not_a_multiple_of_kv_heads(tmp_path, hf_logg
 def test_loader_refuses_sizes_below_one(tmp_path, no_allocation, field):
     folder = copy_default_model(tmp_path / "m")
     _edit_config(folder, **{field: 0})
-    with pytest.raises(ValueError, match=f"config.json: {field} is 0; it must be >= 1"):
+    with pytest.raises(ValueError, match=f"config.json: {field} must be an integer >= 1, got 0"):
         load_model(folder)
 
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence as SequenceABC
 from course_pkg.engine.beam_search import BeamSearchOutput, beam_search_one
 from course_pkg.engine.llm_engine import LLMEngine, RequestOutput
 from course_pkg.sampling_params import BeamSearchParams, SamplingParams
-from course_pkg.validation import check_bool
+from course_pkg.validation import check_bool, is_int
 
 
 def _as_prompt_list(prompts) -> list:
@@ -27,7 +27,7 @@ def _as_prompt_list(prompts) -> list:
     if not isinstance(prompts, SequenceABC):
         raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; "
                         f"got {type(prompts).__name__}")
-    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+    if prompts and all(is_int(t) for t in prompts):
         return [list(prompts)]                      # a single prompt given as token ids
     return list(prompts)
 

@@ -25,6 +25,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from course_pkg.models.qwen3 import Qwen3ForCausalLM
+from course_pkg.validation import check_positive_int
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -69,8 +70,10 @@ def load_config(path):
     except StrictDataclassError as e:        # a field of the wrong type, e.g. a string size
         raise ValueError(f"{config_file}: {e}") from None
     for name in _CONFIG_SIZES:
-        if getattr(config, name) < 1:
-            raise ValueError(f"{config_file}: {name} is {getattr(config, name)}; it must be >= 1")
+        try:
+            check_positive_int(name, getattr(config, name))
+        except ValueError as e:
+            raise ValueError(f"{config_file}: {e}") from None
     if config.num_attention_heads % config.num_key_value_heads:
         raise ValueError(f"{config_file}: num_attention_heads ({config.num_attention_heads}) is not "
                          f"a multiple of num_key_value_heads ({config.num_key_value_heads}); "
