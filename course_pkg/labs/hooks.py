@@ -35,6 +35,11 @@ PRIVATE_MEMBERS: dict[tuple[str, str], str] = {
     ("course_pkg.scheduler:Scheduler", "_schedule_prefill"): "mutants.DecodeFirstScheduler; solution of scheduler",
     ("course_pkg.scheduler:Scheduler", "_schedule_decode"):
         "mutants PreemptOldestScheduler (a copy with one change), DecodeFirstScheduler; solution of scheduler",
+    ("course_pkg.scheduler:Scheduler", "_schedule_mixed"):
+        "stubs.StudentMixedScheduler; mutants PromptsFirstMixedScheduler, BudgetIgnoredMixedScheduler; solution of mixed",
+    ("course_pkg.scheduler:Scheduler", "_schedule_prompt_chunks"):
+        "stubs.StudentMixedScheduler; mutants (all three of lab mixed); solution of mixed",
+    ("course_pkg.scheduler:Scheduler", "_admit"): "stubs.StudentMixedScheduler (docstring: how to admit a prompt)",
     ("course_pkg.kernels.triton_kernels", "_store_kvcache_kernel"): "solution of store_kvcache",
     ("course_pkg.kernels.triton_kernels", "_block_and_offset"): "solution of paged_attention",
     ("course_pkg.kernels.triton_kernels", "_online_softmax_step"): "solution of paged_attention",

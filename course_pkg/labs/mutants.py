@@ -371,6 +371,38 @@ class DecodeFirstScheduler(Scheduler):
         return scheduled, True
 
 
+class PromptsFirstMixedScheduler(Scheduler):
+    """Gives waiting prompts the whole budget first and decodes only what is left: a long
+    prompt stalls every running sequence again, as in the prefill-first policy."""
+
+    def _schedule_mixed(self) -> tuple[list[Sequence], bool]:
+        prompts = self._schedule_prompt_chunks(self.max_num_batched_tokens)
+        if prompts:
+            return prompts, True            # the bug: the running sequences wait for the prompt
+        return self._schedule_decode(), False
+
+
+class BudgetIgnoredMixedScheduler(Scheduler):
+    """Fills the prompt chunks with the whole budget although the decodes already used part
+    of it: steps hold more tokens than ``max_num_batched_tokens``."""
+
+    def _schedule_mixed(self) -> tuple[list[Sequence], bool]:
+        decodes = self._schedule_decode()
+        prompts = self._schedule_prompt_chunks(self.max_num_batched_tokens)   # the bug: no "- len(decodes)"
+        return decodes + prompts, bool(prompts)
+
+
+class WholePromptsOnlyMixedScheduler(Scheduler):
+    """Admits a prompt only when all of it fits in the rest of the budget: no chunking, so a
+    prompt longer than the budget never starts."""
+
+    def _schedule_prompt_chunks(self, budget: int) -> list[Sequence]:
+        fitting = [s for s in self.waiting if s.num_tokens - s.num_cached_tokens <= budget]
+        if not fitting or fitting[0] is not self.waiting[0]:
+            return []
+        return super()._schedule_prompt_chunks(budget)
+
+
 # ---------------------------------------------------------------- chapter 07: arithmetic
 
 def kv_block_bytes_keys_only(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,

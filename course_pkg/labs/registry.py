@@ -137,6 +137,16 @@ _LABS = [
         ("course_pkg.swap:CpuBlockPool.can_swap_out", "course_pkg.swap:CpuBlockPool.swap_out",
          "course_pkg.swap:CpuBlockPool.release"),
         task="`CpuBlockPool.can_swap_out`, `swap_out` and `release`"),
+    Lab("mixed", "The mixed policy: decodes first, then prompt chunks", 9,
+        "lockstep with the package's Scheduler(scheduling=\"mixed\") (batches, token counts, queues, block "
+        "tables) and hand-computed steps: a decode and a prompt chunk in one step, the budget shared, a long "
+        "prompt chunked while others decode; preemption; a long run under memory pressure",
+        "course_pkg.scheduler:Scheduler", f"{_S}:StudentMixedScheduler", f"{_G}.scheduler:grade_mixed",
+        {"prompts first": f"{_M}:PromptsFirstMixedScheduler",
+         "budget not shared": f"{_M}:BudgetIgnoredMixedScheduler",
+         "whole prompts only": f"{_M}:WholePromptsOnlyMixedScheduler"},
+        ("course_pkg.scheduler:Scheduler._schedule_mixed", "course_pkg.scheduler:Scheduler._schedule_prompt_chunks"),
+        task="`Scheduler._schedule_mixed` and `_schedule_prompt_chunks`"),
     Lab("kv_block_bytes", "Bytes of one KV block", 7,
         "hand-computed sizes (Qwen3-0.6B, Llama-3-8B, odd shapes) and the bytes a ModelRunner allocates per block",
         "course_pkg.labs.arithmetic:kv_block_bytes", f"{_S}:student_kv_block_bytes",

@@ -197,6 +197,22 @@ class StudentScheduler(Scheduler):
         ...
 
 
+class StudentMixedScheduler(Scheduler):
+    """Lab ``mixed``: vLLM v1's policy -- every running sequence decodes, then prompt chunks
+    fill what is left of the token budget (the grader builds it with ``scheduling="mixed"``)."""
+
+    def _schedule_mixed(self) -> tuple[list[Sequence], bool]:
+        """One step: the decodes (``self._schedule_decode()``) first, then prompt chunks in
+        the rest of ``max_num_batched_tokens``; ``(seqs, holds prompt tokens)``."""
+        ...
+
+    def _schedule_prompt_chunks(self, budget: int) -> list[Sequence]:
+        """Prompt tokens of waiting sequences, up to ``budget`` in all, first come first served
+        (a partly prefilled prompt first); admit with ``self._admit(seq)``, chunk what does not
+        fit, move a prompt that completes to ``running``."""
+        ...
+
+
 # ---------------------------------------------------------------- chapter 07
 
 def student_kv_block_bytes(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,

@@ -61,10 +61,12 @@ class _Side:
 
 
 def _drive(g: Grading, impl, requests: dict[str, tuple], *, num_blocks: int, block_size: int,
-           max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
+           max_num_seqs: int = 8, max_num_batched_tokens: int = 64, scheduling: str = "prefill_first",
            expect: Callable[[int, dict], None] | None = None, max_steps: int = 400) -> None:
     """Serve ``requests`` (name -> (prompt, outputs, arrival step)) on both schedulers in lockstep."""
     kwargs = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    if scheduling != "prefill_first":
+        kwargs["scheduling"] = scheduling
     ref = _Side(Scheduler(num_blocks, block_size, **kwargs), requests)
     mine = _Side(impl(num_blocks, block_size, **kwargs), requests)
     last_arrival = max(arrival for _, _, arrival in requests.values())
@@ -218,3 +220,35 @@ def grade_scheduler(impl, g: Grading) -> None:
         got = _generate_with(impl, g)
         for i, (mine, want) in enumerate(zip(got, expected)):
             g.equal(mine, want, f"tokens of request {i} (prompt of {len(_prompts()[i])} tokens)")
+
+
+def grade_mixed(impl, g: Grading) -> None:
+    """Chapter 09: the mixed policy, lockstep with the package's ``Scheduler(scheduling="mixed")``."""
+    with g.scenario("a decode and a prompt chunk share a step (budget 4, block size 4)"):
+        requests = {"A": (range(1, 6), (101, 102, 103, 104), 0), "B": (range(11, 17), (111, 112), 2)}
+        _drive(g, impl, requests, num_blocks=16, block_size=4, max_num_batched_tokens=4, scheduling="mixed",
+               expect=_all(
+                   _at(g, 0, {"batch": ["A"], "scheduled tokens": [4]}, "A's 5-token prompt: a chunk of 4"),
+                   _at(g, 1, {"batch": ["A"], "scheduled tokens": [1]}, "the rest of A's prompt"),
+                   _at(g, 2, {"batch": ["A", "B"], "scheduled tokens": [1, 3], "prefill step": True},
+                       "A decodes first; B's prompt gets the 3 tokens left"),
+                   _at(g, 3, {"batch": ["A", "B"], "scheduled tokens": [1, 3]},
+                       "A decodes again while B's prompt finishes: no stall"),
+                   _at(g, 4, {"batch": ["A", "B"], "scheduled tokens": [1, 1], "prefill step": False},
+                       "both decode")))
+    with g.scenario("a prompt longer than the budget is chunked while others decode (budget 8)"):
+        requests = {"A": ((1, 2, 3), (101, 102, 103, 104, 105, 106), 0),
+                    "B": (tuple(range(10, 30)), (111, 112), 1)}
+        _drive(g, impl, requests, num_blocks=32, block_size=4, max_num_batched_tokens=8, scheduling="mixed",
+               expect=_at(g, 1, {"batch": ["A", "B"], "scheduled tokens": [1, 7]},
+                          "A's decode token, then 7 of B's 20 prompt tokens"))
+    with g.scenario("preemption under the mixed policy (block size 2, pool 6)"):
+        outputs = tuple(range(200, 206))
+        requests = {"A": ((1, 2, 3), outputs, 0), "B": ((4, 5, 6), outputs, 0), "C": ((7, 8, 9), outputs, 0),
+                    "D": ((10, 11, 12), outputs, 2)}
+        _drive(g, impl, requests, num_blocks=6, block_size=2, scheduling="mixed")
+    with g.scenario("a long run under memory pressure: 16 requests, 12 blocks of 4, budget 16"):
+        workload = random_workload(16, prompt_len=(3, 18), output_len=(2, 10), seed=5)
+        requests = {f"R{i}": (r.prompt_token_ids, r.output_token_ids, i // 2) for i, r in enumerate(workload)}
+        _drive(g, impl, requests, num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+               scheduling="mixed")
