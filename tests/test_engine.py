@@ -27,13 +27,8 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model gains nothing from threads; on a loaded 2-core machine, 2 threads made
-    its steps 30x slower (they wait for each other). Restored after this module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def one_thread(one_torch_thread):
+    """One torch thread for this module (see conftest)."""
 
 
 def make_prompts(vocab_size: int) -> list[list[int]]:

@@ -27,11 +27,8 @@ CPU = dict(device="cpu", dtype=torch.float32, attention_backend="torch")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def one_thread(one_torch_thread):
+    """One torch thread for this module (see conftest)."""
 
 
 def refs(bm):

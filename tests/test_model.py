@@ -28,13 +28,8 @@ SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_l
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These tensors are tiny: with several threads, OpenMP start-up dominates every op (and
-    on a busy 2-core machine it is many times slower). Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def one_thread(one_torch_thread):
+    """One torch thread for this module (see conftest)."""
 
 
 @pytest.fixture(scope="module")

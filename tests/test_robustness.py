@@ -34,11 +34,8 @@ ENGINE = dict(block_size=4, num_kvcache_blocks=24, max_num_batched_tokens=24, **
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def one_thread(one_torch_thread):
+    """One torch thread for this module (see conftest)."""
 
 
 def make_prompts(n=5, seed=7):

@@ -33,11 +33,8 @@ POOL = dict(block_size=8, num_kvcache_blocks=12, max_num_seqs=8)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def one_thread(one_torch_thread):
+    """One torch thread for this module (see conftest)."""
 
 
 @pytest.fixture(scope="module")
