@@ -75,7 +75,7 @@ class Sampler:
         targets = [(seq, seq.index + j, row) for row, seq in enumerate(seqs) for j in range(seq.num_samples)]
         logits = logits.float()
         rows_of = torch.tensor([row for _, _, row in targets], device=logits.device)
-        tokens = self._draw(logits, targets)
+        tokens = self._draw(logits[rows_of], targets)
         logprobs = torch.log_softmax(logits, dim=-1)[rows_of, torch.tensor(tokens, device=logits.device)].tolist()
         out_tokens: list = []
         out_logprobs: list = []
@@ -91,17 +91,17 @@ class Sampler:
             k += n
         return out_tokens, out_logprobs
 
-    def _draw(self, logits: torch.Tensor, targets) -> list[int]:
-        rows = logits[torch.tensor([row for _, _, row in targets], device=logits.device)]
+    def _draw(self, rows: torch.Tensor, targets) -> list[int]:
+        """One token per target; ``rows[i]`` are the float32 logits of target ``i``."""
         tokens = rows.argmax(dim=-1)
         sampled = [i for i, (seq, _, _) in enumerate(targets) if seq.temperature > 0]
         if sampled:
-            idx = torch.tensor(sampled, device=logits.device)
-            temperature = torch.tensor([targets[i][0].temperature for i in sampled], device=logits.device)
+            idx = torch.tensor(sampled, device=rows.device)
+            temperature = torch.tensor([targets[i][0].temperature for i in sampled], device=rows.device)
             probs = torch.softmax(rows[idx] / temperature.unsqueeze(1), dim=-1)
             top_p = [targets[i][0].sampling_params.top_p for i in sampled]
             if any(p < 1.0 for p in top_p):
-                probs = top_p_filter(probs, torch.tensor(top_p, device=logits.device))
+                probs = top_p_filter(probs, torch.tensor(top_p, device=rows.device))
             noise = torch.empty_like(probs)
             shared = [j for j, i in enumerate(sampled) if targets[i][0].sampling_params.seed is None]
             if shared:
