@@ -25,7 +25,7 @@ from course_pkg.engine.sampler import Sampler
 from course_pkg.models import default_model_path
 from course_pkg.scheduler import Scheduler
 from course_pkg.sequence import SequenceStatus
-from tests.helpers import check_invariants, state
+from tests.helpers import check_invariants, state, results
 
 MODEL = default_model_path()
 CPU = dict(device="cpu", dtype=torch.float32, attention_backend="torch")
@@ -76,7 +76,7 @@ class Fault:
 def inject(llm, point, exc, at, monkeypatch):
     targets = {
         "forward": (llm.model, "forward"),
-        "postprocess": (llm.scheduler, "postprocess"),
+        "update_from_output": (llm.scheduler, "update_from_output"),
         "hash_blocks": (llm.block_manager, "hash_blocks"),
         "deallocate": (llm.block_manager, "deallocate"),
         "decode": (llm.tokenizer, "decode"),
@@ -91,7 +91,7 @@ def inject(llm, point, exc, at, monkeypatch):
     return fault
 
 
-POINTS = ["forward", "sampler", "postprocess", "hash_blocks", "deallocate", "decode"]
+POINTS = ["forward", "sampler", "update_from_output", "hash_blocks", "deallocate", "decode"]
 
 
 @pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt], ids=["exception", "interrupt"])
@@ -130,10 +130,10 @@ def test_a_request_that_always_fails_does_not_wedge_the_engine(reference, monkey
     real = Sampler.sample
     poison = [999, 998, 997]
 
-    def sampler(self, logits, seqs):
+    def sampler(self, logits, seqs, *args):
         if any(s.prompt_token_ids == poison for s in seqs):
             raise ValueError("this request cannot be sampled")
-        return real(self, logits, seqs)
+        return real(self, logits, seqs, *args)
 
     monkeypatch.setattr(Sampler, "sample", sampler)
     for _ in range(2):
@@ -194,8 +194,12 @@ def test_scheduler_abort_from_every_queue():
     short = SamplingParams(max_tokens=2)
     a, b = Sequence([1, 2, 3, 4, 5], short, block_size=2), Sequence([6, 7], short, block_size=2)
     sched.add_all([a, b])
-    seqs, _ = sched.schedule()                  # a is chunked: it holds blocks in waiting
+    out = sched.schedule()                  # a is chunked: it holds blocks in waiting
+    seqs, _ = list(out.seqs), out.is_prefill
     assert seqs == [a] and a.block_table and list(sched.waiting) == [a, b]
+    with pytest.raises(RuntimeError, match="a step is open"):
+        sched.abort(a)                      # not in the middle of a step
+    sched.update_from_output(out, [[]])     # the chunk computed, nothing sampled
     sched.abort(a)
     sched.abort(b)
     assert a.status == b.status == SequenceStatus.FINISHED_ABORTED and a.finish_reason == "abort"
@@ -212,9 +216,10 @@ def test_finish_reasons_are_decided_by_the_scheduler():
                             Sequence([1, 3], SamplingParams(max_tokens=1), block_size=2),
                             Sequence([1, 2, 3, 4, 5], SamplingParams(max_tokens=4), block_size=2))
     sched.add_all([stop, cap, model_len])
-    seqs, is_prefill = sched.schedule()
+    out = sched.schedule()
+    seqs, is_prefill = list(out.seqs), out.is_prefill
     assert is_prefill and seqs == [stop, cap, model_len]
-    finished = sched.postprocess(seqs, [9, 4, 4])
+    finished = sched.update_from_output(out, results(out, [9, 4, 4]))
     assert finished == [stop, cap, model_len]
     assert [s.status for s in finished] == [SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH_CAPPED,
                                             SequenceStatus.FINISHED_LENGTH_CAPPED]
@@ -229,8 +234,9 @@ def test_schedule_admits_in_the_same_step_when_the_last_runner_preempted_itself(
     sched = Scheduler(4, 2)
     a = Sequence([1, 2, 3], SamplingParams(max_tokens=3), block_size=2)
     sched.add(a)
-    seqs, _ = sched.schedule()
-    sched.postprocess(seqs, [9])
+    out = sched.schedule()
+    seqs, _ = list(out.seqs), out.is_prefill
+    sched.update_from_output(out, results(out, [9]))
     real, calls = sched.block_manager.can_append, []
 
     def can_append_but_not_the_first_time(seq):
@@ -238,8 +244,9 @@ def test_schedule_admits_in_the_same_step_when_the_last_runner_preempted_itself(
         return len(calls) > 1 and real(seq)
 
     monkeypatch.setattr(sched.block_manager, "can_append", can_append_but_not_the_first_time)
-    seqs, is_prefill = sched.schedule()
-    assert sched.preempted == [a] and a.num_preemptions == 1
+    out = sched.schedule()
+    seqs, is_prefill = list(out.seqs), out.is_prefill
+    assert list(out.preempted) == [a] and a.num_preemptions == 1
     # recomputed: its first block is a prefix-cache hit, the other 2 tokens run again
     assert seqs == [a] and is_prefill and (a.num_cached_tokens, a.num_scheduled_tokens) == (2, 2)
 
@@ -255,10 +262,11 @@ def test_schedule_never_returns_an_empty_batch_while_work_remains(seed):
     for _ in range(500):
         if sched.is_finished():
             break
-        batch, _ = sched.schedule()
+        out = sched.schedule()
+        batch, _ = list(out.seqs), out.is_prefill
         assert batch, "an empty batch although requests wait or run"
         done = [s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens for s in batch]
-        sched.postprocess(batch, [rng.randrange(1, 5) if d else None for d in done])
+        sched.update_from_output(out, results(out, [rng.randrange(1, 5) if d else None for d in done]))
     assert sched.is_finished() and sched.block_manager.num_free_blocks == 10
     assert all(s.num_completion_tokens == s.max_tokens for s in seqs)
 
@@ -271,11 +279,13 @@ def test_postprocess_refuses_tokens_that_are_not_token_ids_and_changes_nothing(t
     short = SamplingParams(max_tokens=2)
     a, b = Sequence([1, 2, 3], short, block_size=2), Sequence([4, 5], short, block_size=2)
     sched.add_all([a, b])
-    seqs, _ = sched.schedule()
-    before = (state(sched.block_manager, seqs), [s.num_scheduled_tokens for s in seqs], list(sched.running))
+    before = (state(sched.block_manager, [a, b]), [s.status for s in (a, b)], list(sched.waiting))
+    out = sched.schedule()
     with pytest.raises(ValueError, match="token"):
-        sched.postprocess(seqs, [7, token])
-    assert (state(sched.block_manager, seqs), [s.num_scheduled_tokens for s in seqs], list(sched.running)) == before
+        sched.update_from_output(out, results(out, [7, token]))
+    # The refused results undo the whole step: the scheduler is as before schedule().
+    assert (state(sched.block_manager, [a, b]), [s.status for s in (a, b)], list(sched.waiting)) == before
+    assert sched.undo_log is None and not sched.running
 
 
 # ---------------------------------------------------------------- ownership
