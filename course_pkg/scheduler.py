@@ -335,9 +335,8 @@ class Scheduler:
                 if len(self.running) + seq.num_samples > self.max_num_seqs or not self._admit(seq, plan):
                     break   # first come, first served: no overtaking
             num_new_tokens = seq.num_tokens - seq.num_cached_tokens
-            self._schedule_tokens(plan, seq, min(num_new_tokens, budget - num_tokens))
+            self._schedule_tokens(plan, seq, min(num_new_tokens, budget - num_tokens), decode=False)
             num_tokens += seq.num_scheduled_tokens
-            plan.num_prompt_seqs += 1
             if seq.num_scheduled_tokens < num_new_tokens:
                 break   # chunked: the budget is spent
             self.undo_log.remove(self.waiting, seq)
@@ -365,8 +364,7 @@ class Scheduler:
                     break
             else:
                 plan.blocks_to_copy += bm.may_append(seq)   # copy-on-write of a shared last block
-                self._schedule_tokens(plan, seq, seq.num_tokens - seq.num_cached_tokens)   # == 1
-                plan.num_decode_seqs += 1
+                self._schedule_tokens(plan, seq, seq.num_tokens - seq.num_cached_tokens, decode=True)   # 1
                 num_decodes += 1
                 i += 1
         return num_decodes
@@ -406,11 +404,16 @@ class Scheduler:
         self._set_status(seq, SequenceStatus.RUNNING)
         return True
 
-    def _schedule_tokens(self, plan: StepPlan, seq: Sequence, num_tokens: int) -> None:
-        """``seq`` computes ``num_tokens`` tokens in this step; with ``same_step_prefix_hits``
-        the blocks they fill are registered now, so later sequences of this step can hit them."""
+    def _schedule_tokens(self, plan: StepPlan, seq: Sequence, num_tokens: int, *, decode: bool) -> None:
+        """``seq`` computes ``num_tokens`` tokens in this step (its decode token, or prompt
+        tokens); with ``same_step_prefix_hits`` the blocks they fill are registered now, so
+        later sequences of this step can hit them."""
         self.undo_log.setattr(seq, "num_scheduled_tokens", num_tokens)
         plan.seqs.append(seq)
+        if decode:
+            plan.num_decode_seqs += 1
+        else:
+            plan.num_prompt_seqs += 1
         if self.same_step_prefix_hits:
             before = len(seq.block_hashes)
             self.block_manager.hash_blocks(seq, seq.num_cached_tokens + num_tokens)
