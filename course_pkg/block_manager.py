@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
+from contextlib import contextmanager
 
 import xxhash
 
@@ -302,6 +303,23 @@ class BlockManager:
         before-image and index entry were restored by the newer log entries already)."""
         self.used_block_ids.discard(block.block_id)
         self.free_block_ids.appendleft(block.block_id)
+
+    @contextmanager
+    def transaction(self):
+        """``with bm.transaction() as log:`` -- the calls inside are undone together if one raises
+        (the engine's step opens its own log over more than the manager: ``Scheduler.schedule``)."""
+        if self.undo_log is not None:
+            raise RuntimeError("a transaction is open on this BlockManager already")
+        log = self.undo_log = UndoLog()
+        try:
+            yield log
+        except BaseException:
+            log.rollback()
+            self.undo_log = None
+            self.forget_overwritten(log)
+            raise
+        finally:
+            self.undo_log = None
 
     def forget_overwritten(self, log: UndoLog) -> set[int]:
         """After ``log``'s step was rolled back: if it wrote K/V, the blocks it took for new

@@ -71,7 +71,8 @@ def beam_search_one(engine, prompt_token_ids: list[int], params: BeamSearchParam
     eos = frozenset() if params.ignore_eos else engine.scheduler.eos_token_ids
     sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
     root = Sequence(prompt_token_ids, sampling, block_size=engine.block_size)
-    bm.allocate(root, bm.can_allocate(root))
+    with bm.transaction():
+        bm.allocate(root, bm.can_allocate(root))
     root.num_scheduled_tokens = root.num_tokens - root.num_cached_tokens
     beams, scores = [root], [0.0]
     finished: list[BeamSearchSequence] = []
@@ -79,9 +80,8 @@ def beam_search_one(engine, prompt_token_ids: list[int], params: BeamSearchParam
         for step in range(1, params.max_tokens + 1):
             # Each step is a transaction on the block manager (course_pkg.undo): if it raises,
             # the beams of the step before hold their blocks again, and ``finally`` frees them.
-            log = bm.undo_log = UndoLog()
-            log.kv_written = True
-            try:
+            with bm.transaction() as log:
+                log.kv_written = True
                 logprobs = runner.compute_logprobs(beams)                       # [beams, vocab]
                 for beam in beams:
                     log.save(beam, "num_cached_tokens", "num_scheduled_tokens")
@@ -92,13 +92,6 @@ def beam_search_one(engine, prompt_token_ids: list[int], params: BeamSearchParam
                                                                   beams, finished)
                 if not stop:
                     next_beams, next_scores, record = _next_beams(bm, runner, beams, running, log)
-            except BaseException:
-                log.rollback()
-                bm.undo_log = None
-                bm.forget_overwritten(log)   # every beam is released below
-                raise
-            finally:
-                bm.undo_log = None
             finished = finished_now
             if stop:
                 break
@@ -107,14 +100,30 @@ def beam_search_one(engine, prompt_token_ids: list[int], params: BeamSearchParam
                 on_step(BeamStep(step=step, kept=record["kept"], pruned=record["pruned"],
                                  finished=tuple(ended), copies=record["copies"]), beams)
     finally:
-        for beam in beams:
-            if beam.block_table:
-                bm.deallocate(beam)
+        _release(bm, beams)
     if engine.tokenizer is not None:
         n = len(prompt_token_ids)
         for h in finished:
             h.text = engine.tokenizer.decode(h.tokens[n:], skip_special_tokens=True)
     return BeamSearchOutput(sequences=finished)
+
+
+def _release(bm, beams: list[Sequence]) -> None:
+    """Release every beam's blocks, each release a transaction of its own: one that raises is
+    undone and tried again once the others are released; the first error is re-raised then."""
+    pending, error = [b for b in beams if b.block_table], None
+    for _ in range(2):
+        failed = []
+        for beam in pending:
+            try:
+                with bm.transaction():
+                    bm.deallocate(beam)
+            except BaseException as e:
+                failed.append(beam)
+                error = error or e
+        pending = failed
+    if error is not None:
+        raise error
 
 
 def _search_step(params: BeamSearchParams, step: int, eos, logprobs: torch.Tensor, scores: list[float],
