@@ -587,6 +587,9 @@ class BlockManager:
         self._check_holder(seq)
         if num_computed_tokens is None:
             num_computed_tokens = seq.num_cached_tokens
+        elif not is_int(num_computed_tokens) or not 0 <= num_computed_tokens <= seq.num_tokens:
+            raise ValueError(f"num_computed_tokens={num_computed_tokens!r}: sequence {seq.seq_id} has "
+                             f"{seq.num_tokens} tokens, so between 0 and {seq.num_tokens} can be computed")
         num_full = min(num_computed_tokens // self.block_size, len(seq.block_table))
         if num_full > len(seq.block_hashes):
             self._save(seq)

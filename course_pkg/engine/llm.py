@@ -77,6 +77,9 @@ class LLM(LLMEngine):
             seqs = []
             for i, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
                 try:
+                    if not isinstance(prompt, (str, list, tuple)):
+                        raise TypeError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__} "
+                                        f"{prompt!r}")
                     seqs.append(self.make_sequence(prompt, sp))
                 except (ValueError, TypeError) as e:
                     raise type(e)(f"prompt {i}: {e}") from None
