@@ -82,7 +82,7 @@ class LLMEngine:
             self.model_runner = ModelRunner(self.model, self.config, **runner_kwargs,
                                             num_cpu_blocks=cfg.num_cpu_blocks or 0)
         else:
-            from course_pkg.distributed import TensorParallelModelRunner
+            from course_pkg.engine.tensor_parallel_runner import TensorParallelModelRunner
             self.model_runner = TensorParallelModelRunner.launch(
                 path, self.config, k, device=device, dtype=dtype, **runner_kwargs)
             self.model = self.model_runner.model
