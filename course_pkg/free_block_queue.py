@@ -100,15 +100,7 @@ class FreeBlockQueue:
 
     def append(self, block_id: int) -> None:
         """Put ``block_id`` at the tail (it becomes the most recently freed)."""
-        self._check_id(block_id)
-        if self._prev[block_id] != _NONE:
-            raise ValueError(f"block {block_id} is already in the free queue")
-        last = self._prev[self._tail]
-        self._next[last] = block_id
-        self._prev[block_id] = last
-        self._next[block_id] = self._tail
-        self._prev[self._tail] = block_id
-        self._len += 1
+        self.insert_after(self._prev[self._tail], block_id)
 
     def remove(self, block_id: int) -> None:
         """Take ``block_id`` out of the queue wherever it is: O(1), unlike ``deque.remove``."""
@@ -137,7 +129,8 @@ class FreeBlockQueue:
         return _NONE if before == self._head else before
 
     def insert_after(self, before: int, block_id: int) -> None:
-        """Put ``block_id`` right behind block ``before`` (-1: at the head; the inverse of ``remove``)."""
+        """Put ``block_id`` right behind block ``before`` (-1 or the head sentinel: at the head).
+        ``append`` inserts behind the last block; an undone ``remove`` behind its old neighbour."""
         self._check_id(block_id)
         if self._prev[block_id] != _NONE:
             raise ValueError(f"block {block_id} is already in the free queue")

@@ -101,3 +101,17 @@ def results(out, tokens) -> list[list[int]]:
     or a list (the ``n`` first tokens of a forking sequence)."""
     assert len(tokens) == len(out.seqs), "test setup: one result per scheduled sequence"
     return [[] if t is None else list(t) if isinstance(t, list) else [t] for t in tokens]
+
+
+class Fault:
+    """Raise ``exc`` on the ``at``-th call of the wrapped function, once; otherwise call it."""
+
+    def __init__(self, fn, exc, at):
+        self.fn, self.exc, self.at, self.calls, self.fired = fn, exc, at, 0, False
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.at:
+            self.fired = True
+            raise self.exc("injected fault")
+        return self.fn(*args, **kwargs)

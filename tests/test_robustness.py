@@ -26,7 +26,7 @@ from course_pkg.models import default_model_path
 from course_pkg.sampling_params import BeamSearchParams
 from course_pkg.scheduler import Scheduler
 from course_pkg.sequence import SequenceStatus
-from tests.helpers import check_invariants, state, results
+from tests.helpers import Fault, check_invariants, state, results
 
 MODEL = default_model_path()
 CPU = dict(device="cpu", dtype=torch.float32, attention_backend="torch")
@@ -58,20 +58,6 @@ def reference():
     [other] = llm.generate([OTHER], OTHER_PARAMS, use_tqdm=False)
     assert llm.get_metrics().num_preemptions > 0, "the reference run should preempt"
     return [o.token_ids for o in outs], other.token_ids
-
-
-class Fault:
-    """Raise ``exc`` on the ``at``-th call of the wrapped function, once; otherwise call it."""
-
-    def __init__(self, fn, exc, at):
-        self.fn, self.exc, self.at, self.calls, self.fired = fn, exc, at, 0, False
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        if self.calls == self.at:
-            self.fired = True
-            raise self.exc("injected fault")
-        return self.fn(*args, **kwargs)
 
 
 def inject(llm, point, exc, at, monkeypatch):

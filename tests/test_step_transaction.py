@@ -30,7 +30,7 @@ from course_pkg import LLM, SamplingParams
 from course_pkg.models import default_model_path
 from course_pkg.sampling_params import BeamSearchParams
 from course_pkg.sequence import SequenceStatus
-from tests.helpers import check_invariants, state
+from tests.helpers import Fault, check_invariants, state
 
 MODEL = default_model_path()
 CPU = dict(device="cpu", dtype=torch.float32, attention_backend="torch")
@@ -70,20 +70,6 @@ AT = [(1, RuntimeError), (2, KeyboardInterrupt), (4, RuntimeError), (7, Keyboard
 @pytest.fixture(scope="module", autouse=True)
 def one_thread(one_torch_thread):
     """One torch thread for this module (see conftest)."""
-
-
-class Fault:
-    """Raise ``exc`` on the ``at``-th call of the wrapped function, once."""
-
-    def __init__(self, fn, exc, at):
-        self.fn, self.exc, self.at, self.calls, self.fired = fn, exc, at, 0, False
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        if self.calls == self.at:
-            self.fired = True
-            raise self.exc("injected fault")
-        return self.fn(*args, **kwargs)
 
 
 def holder(llm, where):

@@ -243,7 +243,7 @@ class LLMEngine:
                 sampled=tuple((s.seq_id, t[0] if len(t) == 1 else list(t))
                               for s, t in zip(out.seqs, result.sampled_token_ids) if t),
                 preempted=tuple(s.seq_id for s in out.preempted), finished=tuple(ready),
-                copies=out.blocks_to_copy)
+                copies=out.blocks_to_copy, swap_out=out.blocks_to_swap_out, swap_in=out.blocks_to_swap_in)
             self.num_steps += 1
             outputs = self._hand_out()
             self._observe_finished(outputs)

@@ -148,7 +148,9 @@ class StepInfo:
     ``scheduled`` holds ``(seq_id, first_position, num_tokens)`` per sequence, ``sampled``
     ``(seq_id, token_id)``, ``preempted`` the sequences sent back to waiting, ``finished`` the
     requests handed out, ``copies`` the copy-on-write ``(src, dst)`` blocks copied before the
-    forward pass. (A request's first sequence has the request's id; its forks have their own.)
+    forward pass, ``swap_out``/``swap_in`` the ``(src, dst)`` block copies of chapter 09's swapping
+    (device to CPU, CPU to device). (A request's first sequence has the request's id; its forks
+    have their own.)
     """
 
     step: int
@@ -158,6 +160,8 @@ class StepInfo:
     preempted: tuple[int, ...]
     finished: tuple[int, ...]
     copies: tuple[tuple[int, int], ...] = ()
+    swap_out: tuple[tuple[int, int], ...] = ()
+    swap_in: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:

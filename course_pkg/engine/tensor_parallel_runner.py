@@ -190,11 +190,11 @@ class TensorParallelModelRunner(ModelRunner):
     def _check_usable(self) -> None:
         if self.group.rank != 0:
             raise RuntimeError("only rank 0 drives the tensor-parallel group")
+        if self._finalizer is None or not self._finalizer.alive:
+            raise RuntimeError("this LLM is closed: its tensor-parallel workers have stopped")
         if self.broken:
             raise RuntimeError("a tensor-parallel step was interrupted half-way, so the ranks no longer "
                                "agree on the next collective: close() this LLM and create a new one")
-        if self._finalizer is None or not self._finalizer.alive:
-            raise RuntimeError("this LLM is closed: its tensor-parallel workers have stopped")
         dead = [p.name for p in self.processes if not p.is_alive()]
         if dead:
             raise RuntimeError(f"tensor-parallel worker(s) {', '.join(dead)} died: close() this LLM")

@@ -103,7 +103,7 @@ _LABS = [
          "course_pkg.kernels.triton_kernels:_online_softmax_step",
          "course_pkg.kernels.triton_kernels:_paged_attention_kernel"),
         task="a paged decode-attention kernel, one Triton program per (sequence, query head)"),
-    Lab("scheduler", "The Scheduler: schedule and preempt", 6,
+    Lab("scheduler", "The Scheduler: decodes and preemption", 6,
         "lockstep with the package's Scheduler (batches, token counts, preemptions, queues, block tables) "
         "and hand-computed steps: prefill priority, chunking, the newest preempted first, max_num_seqs, hits; "
         "the real engine with your scheduler gives Hugging Face's greedy tokens",
@@ -137,7 +137,7 @@ _LABS = [
         ("course_pkg.swap:CpuBlockPool.can_swap_out", "course_pkg.swap:CpuBlockPool.swap_out",
          "course_pkg.swap:CpuBlockPool.release"),
         task="`CpuBlockPool.can_swap_out`, `swap_out` and `release`"),
-    Lab("mixed", "The mixed policy: decodes first, then prompt chunks", 9,
+    Lab("mixed", "The mixed policy: prompt chunks after the decodes", 9,
         "lockstep with the package's Scheduler(scheduling=\"mixed\") (batches, token counts, queues, block "
         "tables) and hand-computed steps: a decode and a prompt chunk in one step, the budget shared, a long "
         "prompt chunked while others decode; preemption; a long run under memory pressure",
