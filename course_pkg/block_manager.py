@@ -318,8 +318,7 @@ class BlockManager:
             self.undo_log = None
             self.forget_overwritten(log)
             raise
-        finally:
-            self.undo_log = None
+        self.undo_log = None
 
     def forget_overwritten(self, log: UndoLog) -> set[int]:
         """After ``log``'s step was rolled back: if it wrote K/V, the blocks it took for new
@@ -380,7 +379,7 @@ class BlockManager:
         else:
             self.free_block_ids.insert(place, block_id)
 
-    # The undo log's view of the other structures: each change records its inverse first.
+    # The undo log's view of the other structures: each change records its inverse as it is made.
 
     def _save(self, obj: Block | Sequence) -> None:
         """Record the before-image of a block, or of a sequence's block bookkeeping."""

@@ -181,6 +181,7 @@ class Scheduler:
         self.cpu_pool: CpuBlockPool | None = self.preemption.make_cpu_pool()
         self.num_steps = 0
         self.undo_log: UndoLog | None = None   # open from schedule() until the step is recorded or undone
+        self._overwritten_by: UndoLog | None = None   # a rolled-back step whose clean-up is not done
 
     @property
     def scheduling(self) -> str:
@@ -378,11 +379,11 @@ class Scheduler:
             while not bm.can_append(seq):
                 victim = self._choose_victim(seq)
                 self.preempt(victim, plan)
-                if victim is seq:   # it was the last one: it gave up its own blocks
-                    break
-            else:
+                if victim is seq:   # it was the last one: it gave up its own blocks, and
+                    break           # the loop ends (i now points past the end of running)
+            else:                   # (no break: seq has its place for the new token)
                 plan.blocks_to_copy += bm.may_append(seq)   # copy-on-write of a shared last block
-                self._schedule_tokens(plan, seq, seq.num_tokens - seq.num_cached_tokens, decode=True)   # 1
+                self._schedule_tokens(plan, seq, 1, decode=True)
                 num_decodes += 1
                 i += 1
         return num_decodes
@@ -488,7 +489,7 @@ class Scheduler:
             tokens = token_ids[i]
             if not tokens:   # a chunk of a prompt: nothing sampled yet
                 continue
-            group = [seq] + self._fork(seq, len(tokens) - 1) if out.num_samples[i] > 1 else [seq]
+            group = ([seq] + self._fork(seq, len(tokens) - 1)) if out.num_samples[i] > 1 else [seq]
             num_generated += len(tokens)
             for s, t, lp in zip(group, tokens, logprobs[i] if logprobs is not None else repeat(0.0)):
                 # (a fork made just now is dropped whole by the undo: its parent's is enough)
@@ -513,7 +514,9 @@ class Scheduler:
     def _fork(self, seq: Sequence, num_children: int) -> list[Sequence]:
         """Completions 1 .. num_children of ``seq``'s request: forks sharing its blocks, placed
         right after it in ``running`` (a group is preempted from its newest member on)."""
+        first_id = Sequence._next_id
         children = [seq.fork(j) for j in range(1, num_children + 1)]
+        self.undo_log.record(partial(Sequence._give_back_ids, first_id, Sequence._next_id))
         at = self.running.index(seq) + 1
         for j, child in enumerate(children):
             self.block_manager.fork(seq, child)
@@ -552,9 +555,11 @@ class Scheduler:
         """Undo the open step (its results will not be recorded: the model or the sampler
         raised): every change since ``schedule`` is rolled back, and the next ``schedule``
         decides the same step again. Also finishes a rollback that was interrupted. Does
-        nothing when no step is open."""
+        nothing when no step is open. (``scheduler_output`` names the step for the reader; a
+        scheduler has one open step at most.)"""
         if self.undo_log is not None:
             self._close(rollback=True)
+        self._forget_overwritten()
 
     # ---------------------------------------------------------------- the transaction
 
@@ -572,26 +577,28 @@ class Scheduler:
             return
         log.rollback()   # if interrupted, the log stays open and unschedule() carries on
         self._attach(None)
-        overwritten = self.block_manager.forget_overwritten(log)
-        if overwritten:
-            self._recompute_holders(overwritten)
+        self._overwritten_by = log   # until _forget_overwritten has run to its end
+        self._forget_overwritten()
 
-    def _recompute_holders(self, block_ids: set[int]) -> None:
-        """After a rollback: sequences holding blocks whose K/V the undone step overwrote (the
-        step had preempted them and handed their blocks on) are preempted for real, by
-        recompute -- the one change a rollback cannot avoid."""
-        for seq in [s for s in list(self.running) + list(self.waiting) if block_ids.intersection(s.block_table)]:
+    def _forget_overwritten(self) -> None:
+        """After a rollback (``UndoLog.kv_written``): the blocks the undone step overwrote lose
+        their cache entries, and a sequence holding one again -- a victim the step had
+        preempted and handed its blocks on -- is preempted for real, by recompute: the one
+        change a rollback cannot avoid. Each part can run again, so an interrupted call is
+        finished by the next ``unschedule`` or ``schedule``."""
+        log = self._overwritten_by
+        if log is None:
+            return
+        held = self.block_manager.forget_overwritten(log)
+        for seq in [s for s in reversed(self.running) if held.intersection(s.block_table)]:   # newest first
             self.block_manager.deallocate(seq)
-            if self.cpu_pool is not None and seq.seq_id in self.cpu_pool:
-                self.cpu_pool.release(seq.seq_id)
-            if seq in self.running:
-                self.running.remove(seq)
-            else:
-                self.waiting.remove(seq)
+            self.running.remove(seq)
             check_transition(seq, SequenceStatus.PREEMPTED)
             seq.status = SequenceStatus.PREEMPTED
             seq.num_preemptions += 1
+            self.stats.num_preemptions += 1
             self.waiting.appendleft(seq)
+        self._overwritten_by = None
 
     def _attach(self, log: UndoLog | None) -> None:
         """Make ``log`` the undo log of every structure a step changes."""
@@ -601,6 +608,7 @@ class Scheduler:
             self.cpu_pool.undo_log = log
 
     def _check_no_open_step(self, action: str) -> None:
+        self._forget_overwritten()   # (the end of an interrupted rollback's clean-up, if any)
         if self.undo_log is not None:
             raise RuntimeError(f"cannot {action}: a step is open (schedule() was called); record it with "
                                f"update_from_output() or undo it with unschedule() first")

@@ -7,7 +7,6 @@ the *physical* block (an index into the BlockManager's pool) that stores logical
 from __future__ import annotations
 
 from enum import Enum, auto
-from itertools import count
 
 from course_pkg.sampling_params import SamplingParams
 from course_pkg.validation import check_positive_int, check_token_ids, is_int
@@ -82,7 +81,19 @@ class Sequence:
     how many tokens the current step computes. Each sequence knows its own ``block_size``.
     """
 
-    _ids = count()
+    _next_id = 0   # ids are handed out in order, once (an undone fork gives its ids back)
+
+    @classmethod
+    def _new_id(cls) -> int:
+        seq_id, cls._next_id = cls._next_id, cls._next_id + 1
+        return seq_id
+
+    @classmethod
+    def _give_back_ids(cls, first: int, end: int) -> None:
+        """Undo the ids ``first .. end - 1`` handed out last (an undone fork); only if no other
+        id was handed out since."""
+        if cls._next_id == end:
+            cls._next_id = first
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
                  block_size: int = 16):
@@ -94,7 +105,7 @@ class Sequence:
             sampling_params = SamplingParams()
         elif not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        self.seq_id = next(Sequence._ids)
+        self.seq_id = Sequence._new_id()
         self.status = SequenceStatus.WAITING
         self.block_size = block_size
         self.token_ids = token_ids
@@ -124,7 +135,7 @@ class Sequence:
         same request. Blocks are not copied here: ``BlockManager.fork`` shares them."""
         child = Sequence.__new__(Sequence)
         child.__dict__.update(self.__dict__)
-        child.seq_id = next(Sequence._ids)
+        child.seq_id = Sequence._new_id()
         child.token_ids = list(self.token_ids)
         child.block_table = []
         child.block_hashes = []

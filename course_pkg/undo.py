@@ -5,12 +5,18 @@ the free queue, the prefix-cache index, the CPU block pool, the sequences' block
 tokens, the random generators of the sampler. If anything raises half-way -- the model, the
 sampler, a bug, a KeyboardInterrupt -- a step left half done corrupts the engine for good.
 
-Databases met this problem long ago and solved it with an *undo log*: before each change,
+Databases met this problem long ago and solved it with an *undo log*: with each change,
 write down how to reverse it; if the transaction fails, play the log backwards; if it
 succeeds, throw the log away. The step does the same. Every mutation a step makes goes
 through one of the few primitives below (or, for a change with no generic inverse, records
 its own with ``record``), and ``rollback`` undoes them newest first, so each inverse runs on
-exactly the state its change left behind.
+exactly the state its change left behind: a queue's tail is still the block an undone
+release appended, a revived block's old neighbour is still in the queue.
+
+What is covered: any exception raised by a call made during the step (the tests raise one
+at the k-th call of every function involved). A KeyboardInterrupt that lands between a change
+and its record -- inside one primitive, between two bytecodes -- is not. Inverses capture the
+values they restore when they are recorded (``partial``, or a lambda's default argument).
 
 Outside a step nothing is recorded: the block manager and the scheduler keep ``undo_log =
 None`` and pay one ``is None`` test per change.

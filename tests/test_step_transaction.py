@@ -272,3 +272,30 @@ def test_beam_search_survives_a_fault_in_any_of_its_block_calls():
                 delattr(obj, name)
             check_invariants(llm.block_manager, [])   # every beam released, no block held
             assert [h.tokens for h in llm.beam_search([PROMPTS[2]], params)[0].sequences] == want
+
+
+def test_a_finished_request_is_handed_out_although_the_engine_was_interrupted_after_the_commit():
+    """Between the commit of a step and the engine's record of it, an interrupt must not lose a
+    finished request: the engine hands it out once the scheduler holds nothing."""
+    llm = LLM(MODEL, **CPU, **CONFIGS["prefill_first-recompute"])
+    rid = llm.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    real = llm._note_step
+    llm._note_step = Fault(real, KeyboardInterrupt, 1)
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()                       # the request finished in this step, then the interrupt
+    del llm._note_step
+    outs = llm.step()
+    assert [o.request_id for o in outs] == [rid] and not llm.has_unfinished_requests()
+
+
+def test_an_undone_fork_gives_its_sequence_ids_back():
+    llm = LLM(MODEL, **CPU, **CONFIGS["prefill_first-recompute"])
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=1, n=3)
+    rid = llm.add_request(PROMPTS[0], params)
+    real = llm.block_manager.fork
+    llm.block_manager.fork = Fault(real, RuntimeError, 2)   # the second child's fork fails
+    with pytest.raises(RuntimeError, match="injected fault"):
+        llm.step()
+    del llm.block_manager.fork
+    llm.step()
+    assert [c.seq_id for c in llm.get_sequence(rid).children] == [rid + 1, rid + 2]

@@ -234,9 +234,10 @@ class LLMEngine:
             except BaseException:
                 sched.unschedule(out)
                 raise
-            # The step is committed. What follows is the engine's own record of it.
-            self._note_step(out, result, time.perf_counter())
+            # The step is committed. What follows is the engine's own record of it; the finished
+            # requests are noted first, so that nothing after can lose them.
             ready = self._mark_ready(finished)
+            self._note_step(out, result, time.perf_counter())
             self.last_step = StepInfo(
                 step=self.num_steps, is_prefill=out.is_prefill,
                 scheduled=tuple(zip((s.seq_id for s in out.seqs), out.num_computed_tokens, out.num_scheduled_tokens)),
@@ -281,8 +282,11 @@ class LLMEngine:
         """The outputs of the ready requests, each exactly once.
 
         Every output is built before any is handed out: if the tokenizer raises, they all stay
-        ready and the next step hands them out.
+        ready and the next step hands them out. Once the scheduler holds nothing, every request
+        left is finished: an interrupt between a commit and ``_mark_ready`` loses none.
         """
+        if self.scheduler.is_finished() and len(self._ready) < len(self._requests):
+            self._mark_ready([s for rid in self._requests for s in self._completions(rid)])
         outputs = [self._make_output(rid) for rid in self._ready]
         for rid in self._ready:
             del self._requests[rid]
