@@ -82,6 +82,10 @@ class SchedulerOutput:
     in this order: swap-outs (device to CPU), copy-on-write, swap-ins (CPU to device), so
     every read of a block comes before any write into it. ``registered_blocks`` are the blocks
     registered in the prefix index when scheduled (``same_step_prefix_hits``).
+
+    The value is frozen; the sequences in it are the live objects, whose tokens and block
+    tables the model runner reads -- nothing changes them between ``schedule`` and
+    ``update_from_output``.
     """
 
     step: int
