@@ -114,6 +114,15 @@ def test_hits_on_a_trace_worked_out_by_hand(policy):
     assert result.full_blocks == 9 and result.hit_blocks == sum(HAND_HITS[policy])
 
 
+HAND_STRANDED = {"vllm": 0, "forward": 2, "lru": 2, "radix": 0, "infinite": 0}
+
+
+@pytest.mark.parametrize("policy", sorted(HAND_STRANDED))
+def test_stranded_blocks_on_the_hand_trace(policy):
+    # Forward release and the LRU keep 2 after evicting 1 (R3 cannot use it) and 6 after 5 (R4).
+    assert replay(HAND, policy, 4, 1, stranded=True).stranded_blocks == HAND_STRANDED[policy]
+
+
 def test_a_request_never_hits_its_last_block_and_a_too_large_one_is_skipped():
     trace = trace_of([1, 2], [1, 2], [1, 2, 3, 4, 5], [1])
     result = replay(trace, "infinite", num_blocks=4)

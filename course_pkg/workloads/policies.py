@@ -58,6 +58,11 @@ class CachePolicy:
     def peek(self, block_ids: SequenceOf[int]) -> int:
         raise NotImplementedError
 
+    def stranded(self, block_ids: SequenceOf[int]) -> int:
+        """Candidate blocks of this request that are cached now but cannot be hit: they lie
+        behind the first miss (an ancestor was evicted before them)."""
+        raise NotImplementedError
+
 
 class VllmPolicy(CachePolicy):
     """The package's ``BlockManager``: a trace id becomes a one-token block, so its chained hash,
@@ -70,9 +75,13 @@ class VllmPolicy(CachePolicy):
         super().__init__(num_blocks)
         self.block_manager = self.manager_class(num_blocks, 1, free_queue="linked")
 
+    def make_sequence(self, block_ids) -> Sequence:
+        """The request as a sequence of one-token blocks: token i is block i's id."""
+        return Sequence(list(block_ids), block_size=1)
+
     def admit(self, block_ids):
         bm = self.block_manager
-        seq = Sequence(list(block_ids), block_size=1)
+        seq = self.make_sequence(block_ids)
         hits = bm.can_allocate(seq)
         if hits == -1:
             return None
@@ -87,6 +96,14 @@ class VllmPolicy(CachePolicy):
     def peek(self, block_ids) -> int:
         hit_block_ids, _ = self.block_manager._match_prefix(Sequence(list(block_ids), block_size=1))
         return len(hit_block_ids)
+
+    def stranded(self, block_ids) -> int:
+        bm, h, count = self.block_manager, -1, 0
+        first_miss = self.peek(block_ids)
+        for i, block_id in enumerate(block_ids[:-1]):
+            h = bm.compute_hash([block_id], h)     # the chain continues past a miss
+            count += i > first_miss and h in bm.hash_to_block_id
+        return count
 
 
 class ForwardPolicy(VllmPolicy):
@@ -122,6 +139,9 @@ class InfinitePolicy(CachePolicy):
             hits += 1
         return hits
 
+    def stranded(self, block_ids) -> int:
+        return 0    # nothing is ever evicted, so no block loses its ancestors
+
 
 class LruPolicy(CachePolicy):
     """An exact LRU over cached blocks, each stamped when a request reads it, first block first.
@@ -148,6 +168,10 @@ class LruPolicy(CachePolicy):
                 break
             hits += 1
         return hits
+
+    def stranded(self, block_ids) -> int:
+        first_miss = self.peek(block_ids)
+        return sum(1 for b in block_ids[first_miss + 1:-1] if b in self.ref_count)
 
     def admit(self, block_ids):
         ids = list(dict.fromkeys(block_ids))    # a block read twice is held once
@@ -200,6 +224,9 @@ class RadixPolicy(CachePolicy):
 
     def peek(self, block_ids) -> int:
         return min(len(self.cache.match_prefix(block_ids, touch=False)), len(block_ids) - 1)
+
+    def stranded(self, block_ids) -> int:
+        return 0    # a node is reached only through its parent, and only leaves are evicted
 
     def admit(self, block_ids):
         cache = self.cache

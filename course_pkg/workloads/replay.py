@@ -43,6 +43,7 @@ class ReplayResult:
     admission_order: tuple     # trace indices in the order they were admitted
     max_overtaken: int         # the most later arrivals admitted before one request
     seconds: float             # wall time of the replay
+    stranded_blocks: int | None = None   # cached candidates behind a miss (``stranded=True``)
 
     @property
     def hit_ratio(self) -> float:
@@ -78,9 +79,13 @@ def make_policy(policy: str | CachePolicy | type, num_blocks: int) -> CachePolic
 
 
 def replay(trace: list[TraceRequest], policy, num_blocks: int, concurrency: int = 16, *,
-           order: str = "fcfs", window: int = 1, max_wait: int | None = None) -> ReplayResult:
+           order: str = "fcfs", window: int = 1, max_wait: int | None = None,
+           stranded: bool = False) -> ReplayResult:
     """Replay ``trace`` through ``policy`` (a name of ``POLICIES``, a class or a fresh object) on
-    a pool of ``num_blocks`` blocks; see the module docstring for the model."""
+    a pool of ``num_blocks`` blocks; see the module docstring for the model.
+
+    ``stranded``: also count, before each admission, the request's cached blocks that it cannot
+    hit because an earlier block of its prefix was evicted (``CachePolicy.stranded``)."""
     check_positive_int("num_blocks", num_blocks)
     check_positive_int("concurrency", concurrency)
     check_choice("order", order, ORDERS)
@@ -102,6 +107,7 @@ def replay(trace: list[TraceRequest], policy, num_blocks: int, concurrency: int 
     waiting: list[int] = []           # trace indices, in arrival order
     arrivals = iter(fits)
     admitted: list[int] = []
+    num_stranded = 0
     start = time.perf_counter()
     while True:
         while len(waiting) < window and (i := next(arrivals, None)) is not None:
@@ -113,6 +119,8 @@ def replay(trace: list[TraceRequest], policy, num_blocks: int, concurrency: int 
         for j in waiting[:pick]:      # those arrived earlier and were passed over
             overtaken[j] += 1
         ids = all_ids[i]
+        if stranded:
+            num_stranded += cache.stranded(ids)
         if len(holding) == concurrency:
             cache.release(holding.popleft())
         while (got := cache.admit(ids)) is None:
@@ -128,7 +136,7 @@ def replay(trace: list[TraceRequest], policy, num_blocks: int, concurrency: int 
         num_requests=len(fits), hit_blocks=sum(hits[i] for i in fits),
         full_blocks=sum(len(all_ids[i]) - 1 for i in fits), skipped=len(trace) - len(fits),
         hits=tuple(hits), admission_order=tuple(admitted), max_overtaken=max(overtaken.values(), default=0),
-        seconds=seconds)
+        seconds=seconds, stranded_blocks=num_stranded if stranded else None)
 
 
 def _pick(cache: CachePolicy, waiting: list[int], all_ids, overtaken, order: str, max_wait: int | None) -> int:
