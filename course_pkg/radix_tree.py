@@ -100,20 +100,22 @@ class RadixCache:
         return nodes
 
     def insert(self, keys: Sequence[Hashable]) -> list[RadixNode]:
-        """Cache the whole path ``keys``; returns its nodes. Evicts LRU leaves when the pool is
-        full, never a node of this path; ``MemoryError`` (nothing changed) if that is not enough."""
-        path = self.match_prefix(keys)
+        """Cache the whole path ``keys``; returns its nodes, all marked used now. Evicts LRU leaves
+        when the pool is full, never a node of this path; ``MemoryError`` (nothing changed) if
+        that is not enough."""
+        path = self.match_prefix(keys, touch=False)
         missing = len(keys) - len(path)
         if missing > self.num_free:
-            # The path's own unreferenced nodes must survive the eviction: hold them meanwhile.
-            self.lock(path)
+            unheld_on_path = sum(1 for node in path if node.ref_count == 0)
+            if missing > self.num_free + self.evictable - unheld_on_path:
+                raise MemoryError(f"{missing} new blocks do not fit: {self.num_free} free, "
+                                  f"{self.evictable - unheld_on_path} evictable, the rest held or on this path")
+            self.lock(path)        # the path's own unheld nodes must survive the eviction
             try:
-                if missing > self.num_free + self.evictable:
-                    raise MemoryError(f"{missing} new blocks do not fit: {self.num_free} free, "
-                                      f"{self.evictable} evictable, the rest held")
                 self.evict(missing - self.num_free)
             finally:
                 self.unlock(path)
+        path = self.match_prefix(keys)   # now mark the cached part used
         node = path[-1] if path else self.root
         for key in keys[len(path):]:
             child = RadixNode(key, node, node.depth + 1)
