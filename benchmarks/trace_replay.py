@@ -19,7 +19,8 @@ caches, each at the same pool sizes:
 * ``radix``        -- the package's ``RadixCache`` policy over the trace's block ids.
 
 Only the cache's own work is timed (the token lists are built outside the clock), with the
-garbage collector off. The figures vary with the machine and its load; the ratios printed side
+garbage collector off, and each figure is the fastest of ``--repeats`` runs (the machine's load
+only ever adds time). The figures vary with the machine and its load; the ratios printed side
 by side, from one run, are what to read. The hit ratios are printed too: the caches must agree
 on what they find for the timing to compare like with like.
 """
@@ -157,71 +158,72 @@ def tokens_of(hash_ids, input_length: int, block_size: int) -> list[int]:
     return tokens[:len(tokens) - block_size + max(1, -(-last * block_size // 512))]
 
 
-def replay_block_manager(trace, num_blocks: int, block_size: int, free_queue: str) -> tuple[float, int, int]:
-    """(seconds, hit blocks, candidate blocks) for the package's BlockManager."""
-    bm = BlockManager(num_blocks, block_size, free_queue=free_queue)
-    holding: deque[Sequence] = deque()
+def timed_replay(trace, num_blocks: int, block_size: int, make_request, admit, release) -> tuple[float, int, int]:
+    """(seconds, hit blocks, candidate blocks) of one cache on the trace, as chapter 11 replays it.
+
+    ``make_request(tokens, hash_ids)`` builds what ``admit`` takes; ``admit(request)`` returns
+    the blocks hit, or None when the request does not fit now; ``release(request)`` frees it.
+    Only these three calls are timed."""
+    holding: deque = deque()
     seconds, hits, candidates = 0.0, 0, 0
     for r in trace:
-        tokens = tokens_of(r.hash_ids, r.input_length, block_size)
-        if -(-len(tokens) // block_size) > num_blocks:
+        if r.num_blocks > num_blocks:
             continue
+        tokens = tokens_of(r.hash_ids, r.input_length, block_size)
         t0 = time.perf_counter()
-        seq = Sequence(tokens, block_size=block_size)
+        request = make_request(tokens, r.hash_ids)
         if len(holding) == CONCURRENCY:
-            bm.deallocate(holding.popleft())
-        while (cached := bm.can_allocate(seq)) == -1:
-            bm.deallocate(holding.popleft())
-        bm.allocate(seq, cached)
-        seq.num_cached_tokens = seq.num_tokens
-        bm.hash_blocks(seq)
-        holding.append(seq)
+            release(holding.popleft())
+        while (hit := admit(request)) is None:
+            release(holding.popleft())
+        holding.append(request)
         seconds += time.perf_counter() - t0
-        hits += cached
-        candidates += (seq.num_tokens - 1) // block_size
+        hits += hit
+        candidates += r.num_blocks - 1
     return seconds, hits, candidates
+
+
+def replay_block_manager(trace, num_blocks: int, block_size: int, free_queue: str) -> tuple[float, int, int]:
+    bm = BlockManager(num_blocks, block_size, free_queue=free_queue)
+
+    def admit(seq: Sequence) -> int | None:
+        cached = bm.can_allocate(seq)
+        if cached == -1:
+            return None
+        bm.allocate(seq, cached)
+        seq.num_cached_tokens = seq.num_tokens      # the prefill ran
+        bm.hash_blocks(seq)
+        return cached
+
+    return timed_replay(trace, num_blocks, block_size, lambda tokens, _: Sequence(tokens, block_size=block_size),
+                        admit, bm.deallocate)
 
 
 def replay_nano(trace, num_blocks: int, block_size: int) -> tuple[float, int, int]:
     bm = NanoBlockManager(num_blocks, block_size)
-    holding: deque[NanoSequence] = deque()
-    seconds, hits, candidates = 0.0, 0, 0
-    for r in trace:
-        tokens = tokens_of(r.hash_ids, r.input_length, block_size)
-        if -(-len(tokens) // block_size) > num_blocks:
-            continue
-        t0 = time.perf_counter()
-        seq = NanoSequence(tokens, block_size)
-        if len(holding) == CONCURRENCY:
-            bm.deallocate(holding.popleft())
-        while not bm.can_allocate(seq):
-            bm.deallocate(holding.popleft())
+
+    def admit(seq: NanoSequence) -> int | None:
+        if not bm.can_allocate(seq):
+            return None
         bm.allocate(seq)
-        holding.append(seq)
-        seconds += time.perf_counter() - t0
-        hits += seq.num_cached_tokens // block_size
-        candidates += (seq.num_tokens - 1) // block_size
-    return seconds, hits, candidates
+        return seq.num_cached_tokens // block_size
+
+    return timed_replay(trace, num_blocks, block_size, lambda tokens, _: NanoSequence(tokens, block_size),
+                        admit, bm.deallocate)
 
 
-def replay_radix(trace, num_blocks: int) -> tuple[float, int, int]:
+def replay_radix(trace, num_blocks: int, block_size: int) -> tuple[float, int, int]:
     policy = RadixPolicy(num_blocks)
-    holding: deque = deque()
-    seconds, hits, candidates = 0.0, 0, 0
-    for r in trace:
-        ids = r.hash_ids
-        if len(ids) > num_blocks:
-            continue
-        t0 = time.perf_counter()
-        if len(holding) == CONCURRENCY:
-            policy.release(holding.popleft())
-        while (got := policy.admit(ids)) is None:
-            policy.release(holding.popleft())
-        holding.append(got[1])
-        seconds += time.perf_counter() - t0
-        hits += got[0]
-        candidates += len(ids) - 1
-    return seconds, hits, candidates
+
+    def admit(request: list) -> int | None:       # request: [hash ids, the nodes it holds]
+        got = policy.admit(request[0])
+        if got is None:
+            return None
+        hits, request[1] = got
+        return hits
+
+    return timed_replay(trace, num_blocks, block_size, lambda _, hash_ids: [hash_ids, None], admit,
+                        lambda request: policy.release(request[1]))
 
 
 def main() -> None:
@@ -230,10 +232,11 @@ def main() -> None:
                         default=[500, 1000, 2000, 4000, 8000, 16000, 30000, 60000, 100000])
     parser.add_argument("--requests", type=int, default=2000, help="the first N requests of the trace")
     parser.add_argument("--block-size", type=int, default=512, help="tokens per trace block")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per cache and pool; the fastest counts")
     args = parser.parse_args()
     trace = load_mooncake(MOONCAKE_TRACE, limit=args.requests)
     print(f"Mooncake trace, first {len(trace):,} requests, {args.block_size} tokens per block, "
-          f"concurrency {CONCURRENCY}; microseconds per request (cache work only)")
+          f"concurrency {CONCURRENCY}; microseconds per request (cache work only, best of {args.repeats})")
     print(f"{'pool':>8} {'BM deque':>9} {'BM linked':>9} {'NanoVllm':>9} {'radix':>7}   "
           f"{'Nano/deque':>10} {'Nano/linked':>11}   hit ratio BM / Nano / radix")
     gc.disable()
@@ -243,9 +246,13 @@ def main() -> None:
             for name, run in (("deque", lambda: replay_block_manager(trace, pool, args.block_size, "deque")),
                               ("linked", lambda: replay_block_manager(trace, pool, args.block_size, "linked")),
                               ("nano", lambda: replay_nano(trace, pool, args.block_size)),
-                              ("radix", lambda: replay_radix(trace, pool))):
-                gc.collect()
-                seconds, hits, candidates = run()
+                              ("radix", lambda: replay_radix(trace, pool, args.block_size))):
+                runs = []
+                for _ in range(args.repeats):
+                    gc.collect()
+                    runs.append(run())
+                seconds, hits, candidates = min(runs)
+                assert len({r[1:] for r in runs}) == 1, "a replay must find the same hits every time"
                 n = sum(1 for r in trace if r.num_blocks <= pool)
                 rows[name] = (seconds / n * 1e6, hits / candidates)
             deq, lin, nano, radix = rows["deque"], rows["linked"], rows["nano"], rows["radix"]

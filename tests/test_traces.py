@@ -418,16 +418,18 @@ class ScanningRadixCache(RadixCache):
 
     def evict(self, num):
         done = 0
-        while done < num:
-            leaves = [n for n in self.nodes() if n.ref_count == 0 and not n.children]
-            if not leaves:
-                break
+        leaves = {n for n in self.nodes() if n.ref_count == 0 and not n.children} if num > 0 else set()
+        while done < num and leaves:
             victim = min(leaves, key=lambda n: n.last_access)
-            del victim.parent.children[victim.key]
+            leaves.remove(victim)
+            parent = victim.parent
+            del parent.children[victim.key]
             victim.parent = None
             self.num_cached -= 1
             self.evictable -= 1
             done += 1
+            if parent is not self.root and parent.ref_count == 0 and not parent.children:
+                leaves.add(parent)
         return done
 
 

@@ -37,6 +37,17 @@ from course_pkg.sequence import Sequence
 from course_pkg.validation import check_positive_int
 
 
+def leading_run(block_ids: SequenceOf[int], cached) -> int:
+    """How many of a request's candidates (all its blocks but the last) lead the request in
+    ``cached`` -- a set or dict of block ids -- before the first one that is not."""
+    hits = 0
+    for block_id in block_ids[:-1]:
+        if block_id not in cached:
+            break
+        hits += 1
+    return hits
+
+
 class CachePolicy:
     """The interface ``replay`` drives. ``offline`` policies are given the future first (``prepare``)."""
 
@@ -132,12 +143,7 @@ class InfinitePolicy(CachePolicy):
         pass
 
     def peek(self, block_ids) -> int:
-        hits = 0
-        for block_id in block_ids[:-1]:
-            if block_id not in self.seen:
-                break
-            hits += 1
-        return hits
+        return leading_run(block_ids, self.seen)
 
     def stranded(self, block_ids) -> int:
         return 0    # nothing is ever evicted, so no block loses its ancestors
@@ -162,12 +168,7 @@ class LruPolicy(CachePolicy):
         self._heap: list[tuple[int, int]] = []  # (stamp, block) of unheld blocks; checked when popped
 
     def peek(self, block_ids) -> int:
-        hits = 0
-        for block_id in block_ids[:-1]:
-            if block_id not in self.ref_count:
-                break
-            hits += 1
-        return hits
+        return leading_run(block_ids, self.ref_count)
 
     def stranded(self, block_ids) -> int:
         first_miss = self.peek(block_ids)
