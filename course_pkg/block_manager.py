@@ -59,7 +59,7 @@ def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
     h = xxhash.xxh64()
     if prefix != -1:
         h.update(prefix.to_bytes(8, "little"))
-    h.update(array("q", token_ids))
+    h.update(array("q", token_ids).tobytes())
     return h.intdigest()
 
 
