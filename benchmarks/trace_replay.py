@@ -2,14 +2,15 @@
 
     .venv/bin/python benchmarks/trace_replay.py                       # pools 500 .. 100,000 blocks
     .venv/bin/python benchmarks/trace_replay.py --pools 500 30000 --requests 1000
+    .venv/bin/python benchmarks/trace_replay.py --block-size 512      # Mooncake's own block size
 
 The Mooncake trace (``data/``) is replayed as chapter 11 replays it -- requests in trace order, at
 most 16 holding blocks, the oldest released first or when a new request needs room -- by three
 caches, each at the same pool sizes:
 
 * ``BlockManager`` -- the package's, with its default ``deque`` free queue and with the linked
-  one (chapter 03), on real token ids: each trace
-  block becomes ``--block-size`` tokens (512, Mooncake's own block) that only its hash id
+  one (chapter 03), on real token ids: each trace block becomes one KV block of ``--block-size``
+  tokens (16 by default, vLLM's block size; 512 is Mooncake's own) that only its hash id
   produces, so chained hashing, the exact check and the token validation all do their real
   work. Per request: build the ``Sequence``, ``can_allocate``, ``allocate``, ``hash_blocks``,
   and later ``deallocate``;
@@ -231,7 +232,7 @@ def main() -> None:
     parser.add_argument("--pools", type=int, nargs="+",
                         default=[500, 1000, 2000, 4000, 8000, 16000, 30000, 60000, 100000])
     parser.add_argument("--requests", type=int, default=2000, help="the first N requests of the trace")
-    parser.add_argument("--block-size", type=int, default=512, help="tokens per trace block")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per trace block (Mooncake's: 512)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per cache and pool; the fastest counts")
     args = parser.parse_args()
     trace = load_mooncake(MOONCAKE_TRACE, limit=args.requests)
