@@ -263,10 +263,10 @@ class BeladyCache(RadixCache):
 class BeladyPolicy(RadixPolicy):
     """Belady's MIN on the prefix tree: evict the unheld leaf needed farthest in the future.
 
-    MIN is optimal for a cache of independent pages. Here it is only a strong baseline, not a
-    bound: a block is worth something only while its whole prefix stays cached, and a request
-    needs all its blocks at once, so keeping the block needed soonest can be the wrong choice
-    (an optimal choice would weigh whole paths). ``infinite`` is the bound.
+    MIN is provably optimal for a cache of independent pages of one size, one page per access.
+    Here a block is worth something only while its whole prefix stays cached, and a request needs
+    all its blocks at once and holds them while it runs, so that proof does not carry over as it
+    stands: ``belady`` is a strong baseline, not a proven bound. ``infinite`` is the bound.
     """
 
     name = "belady"
