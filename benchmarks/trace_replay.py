@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from course_pkg.block_manager import BlockManager  # noqa: E402
 from course_pkg.sequence import Sequence  # noqa: E402
-from course_pkg.workloads.policies import RadixPolicy  # noqa: E402
+from course_pkg.workloads.cache_policies import RadixPolicy  # noqa: E402
 from course_pkg.workloads.traces import MOONCAKE_TRACE, load_mooncake  # noqa: E402
 
 CONCURRENCY = 16

@@ -93,3 +93,25 @@ def load_build_slides():
     sys.modules.setdefault("build_slides", module)
     spec.loader.exec_module(module)
     return module
+
+
+def results(out, tokens) -> list[list[int]]:
+    """Per scheduled sequence of the step ``out``, the list of its sampled tokens, from the short
+    form the hand-written tests use: an int (one token), None (a prompt chunk: nothing sampled)
+    or a list (the ``n`` first tokens of a forking sequence)."""
+    assert len(tokens) == len(out.seqs), "test setup: one result per scheduled sequence"
+    return [[] if t is None else list(t) if isinstance(t, list) else [t] for t in tokens]
+
+
+class Fault:
+    """Raise ``exc`` on the ``at``-th call of the wrapped function, once; otherwise call it."""
+
+    def __init__(self, fn, exc, at):
+        self.fn, self.exc, self.at, self.calls, self.fired = fn, exc, at, 0, False
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.at:
+            self.fired = True
+            raise self.exc("injected fault")
+        return self.fn(*args, **kwargs)

@@ -209,6 +209,8 @@ def test_no_worker_outlives_its_llm():
     assert ["INTERRUPTED"] in lines and ["ALIVE", "after", "close", "False"] in lines
     error = next(" ".join(line) for line in lines if line[0] == "ERROR")
     assert "interrupted half-way" in error and "close()" in error
+    closed = next(" ".join(line) for line in lines if line[0] == "CLOSED")
+    assert "this LLM is closed" in closed and closed.endswith("free True queued 0")
     tokens = [line for line in lines if line[0] == "TOKENS"]
     assert len(tokens) == 2 and tokens[0] == tokens[1]      # the third group works like the first
     assert not any(is_running(p) for p in pids)

@@ -54,6 +54,11 @@ def main(mode: str) -> None:
     llm.close()
     llm.close()                                  # twice is fine
     say("ALIVE after close", *alive(pids))
+    try:                                         # a closed LLM takes no request, and holds no block
+        llm.add_request([5, 6, 7], PARAMS)
+    except RuntimeError as e:
+        say("CLOSED", e, "free", llm.block_manager.num_free_blocks == llm.block_manager.num_blocks,
+            "queued", len(llm.scheduler.waiting))
 
     llm = LLM(**SETTINGS)                        # 3. a new group in the same process; never closed
     say("PIDS", *llm.model_runner.worker_pids)

@@ -103,7 +103,7 @@ _LABS = [
          "course_pkg.kernels.triton_kernels:_online_softmax_step",
          "course_pkg.kernels.triton_kernels:_paged_attention_kernel"),
         task="a paged decode-attention kernel, one Triton program per (sequence, query head)"),
-    Lab("scheduler", "The Scheduler: schedule and preempt", 6,
+    Lab("scheduler", "The Scheduler: decodes and preemption", 6,
         "lockstep with the package's Scheduler (batches, token counts, preemptions, queues, block tables) "
         "and hand-computed steps: prefill priority, chunking, the newest preempted first, max_num_seqs, hits; "
         "the real engine with your scheduler gives Hugging Face's greedy tokens",
@@ -111,9 +111,9 @@ _LABS = [
         {"preempts the oldest": f"{_M}:PreemptOldestScheduler",
          "preempted to the back of the line": f"{_M}:PreemptToTailScheduler",
          "decode before prefill": f"{_M}:DecodeFirstScheduler"},
-        ("course_pkg.scheduler:Scheduler.schedule", "course_pkg.scheduler:Scheduler._schedule_prefill",
-         "course_pkg.scheduler:Scheduler._schedule_decode", "course_pkg.scheduler:Scheduler.preempt"),
-        task="`Scheduler.schedule` and `preempt`"),
+        ("course_pkg.scheduler:Scheduler._schedule_decodes", "course_pkg.scheduler:Scheduler._choose_victim",
+         "course_pkg.scheduler:Scheduler.preempt"),
+        task="`Scheduler._schedule_decodes` and `preempt`"),
     Lab("fork_cow", "Fork and copy-on-write", 8,
         "forks share every block, the partial last one too; the first write into a shared block copies "
         "it and returns the copy (by hand); full blocks and block size 1 never copy; no free block; "
@@ -137,7 +137,7 @@ _LABS = [
         ("course_pkg.swap:CpuBlockPool.can_swap_out", "course_pkg.swap:CpuBlockPool.swap_out",
          "course_pkg.swap:CpuBlockPool.release"),
         task="`CpuBlockPool.can_swap_out`, `swap_out` and `release`"),
-    Lab("mixed", "The mixed policy: decodes first, then prompt chunks", 9,
+    Lab("mixed", "The mixed policy: prompt chunks after the decodes", 9,
         "lockstep with the package's Scheduler(scheduling=\"mixed\") (batches, token counts, queues, block "
         "tables) and hand-computed steps: a decode and a prompt chunk in one step, the budget shared, a long "
         "prompt chunked while others decode; preemption; a long run under memory pressure",
@@ -145,8 +145,8 @@ _LABS = [
         {"prompts first": f"{_M}:PromptsFirstMixedScheduler",
          "budget not shared": f"{_M}:BudgetIgnoredMixedScheduler",
          "whole prompts only": f"{_M}:WholePromptsOnlyMixedScheduler"},
-        ("course_pkg.scheduler:Scheduler._schedule_mixed", "course_pkg.scheduler:Scheduler._schedule_prompt_chunks"),
-        task="`Scheduler._schedule_mixed` and `_schedule_prompt_chunks`"),
+        ("course_pkg.policies:Mixed.schedule", "course_pkg.scheduler:Scheduler._schedule_prompts"),
+        task="`Scheduler._schedule_prompts`, the routine that fills a step with prompt tokens"),
     Lab("radix_cache", "A radix tree of cached blocks, evicting least recently used leaves", 11,
         "match, insert and evict by hand (shared nodes, last use, leaves only, held nodes kept, a full pool); "
         "800 random calls in lockstep with the package's tree; the Mooncake trace's hits request by request",

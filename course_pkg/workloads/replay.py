@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from course_pkg.validation import check_choice, check_int, check_positive_int
-from course_pkg.workloads.policies import POLICIES, CachePolicy
+from course_pkg.workloads.cache_policies import POLICIES, CachePolicy
 from course_pkg.workloads.traces import TraceRequest
 
 ORDERS = ("fcfs", "lpm")

@@ -153,7 +153,7 @@ def grade_radix_cache(impl, g: Grading) -> None:
                     f"step {step}: nodes reachable from the root vs num_cached (an evicted inner node cuts off its subtree)")
             g.equal(_state(mine), _state(ref), f"step {step}: (paths with ref_count and last_access, num_cached, evictable)")
     with g.scenario("the Mooncake trace replayed with your cache: the package's hits, request by request"):
-        from course_pkg.workloads.policies import RadixPolicy
+        from course_pkg.workloads.cache_policies import RadixPolicy
         from course_pkg.workloads.replay import replay
         from course_pkg.workloads.traces import MOONCAKE_TRACE, load_mooncake
 
