@@ -32,6 +32,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import repeat
 
 from course_pkg.block_manager import BlockManager
 from course_pkg.policies import (ADMISSION_POLICIES, PREEMPTION_POLICIES, AdmissionPolicy, PreemptionPolicy,
@@ -297,9 +299,11 @@ class Scheduler:
         when no request waits or runs. If this raises, nothing has changed.
         """
         self._check_no_open_step("schedule a new step")
-        self._open()
+        log = self._open()
         try:
             plan = StepPlan()
+            # Between steps every sequence has num_scheduled_tokens == 0: one entry undoes them all.
+            log.record(partial(_unschedule_tokens, plan.seqs))
             self.admission.schedule(self, plan)
             if not plan.seqs and self.waiting:
                 raise RuntimeError(f"nothing could be scheduled although {len(self.waiting)} requests "
@@ -328,7 +332,7 @@ class Scheduler:
         preempted since it started: it already holds blocks, which they may be waiting for.
         """
         num_tokens = 0
-        for seq in sorted(self.waiting, key=lambda s: s.status != SequenceStatus.RUNNING):   # stable: FCFS
+        for seq in self._prompt_order():
             if num_tokens >= budget:
                 break
             if seq.status != SequenceStatus.RUNNING:   # not admitted yet; n completions take n seats
@@ -343,6 +347,20 @@ class Scheduler:
             self.undo_log.append(self.running, seq)
         self.undo_log.add(self.stats, "prefill_kv_computed_tokens", num_tokens)
         return num_tokens
+
+    def _prompt_order(self) -> list[Sequence]:
+        """``waiting`` in the order its prompts are served: a partly prefilled prompt first, then
+        first come first served. Only preempted requests can stand before that prompt (they
+        re-enter at the head, new requests at the tail), so the search stops at the first
+        request that is neither."""
+        order = list(self.waiting)
+        for i, seq in enumerate(order):
+            if seq.status == SequenceStatus.RUNNING:
+                order.insert(0, order.pop(i))
+                break
+            if seq.status == SequenceStatus.WAITING:
+                break
+        return order
 
     def _schedule_decodes(self, plan: StepPlan) -> int:
         """One token for each running sequence, oldest first, preempting where blocks run out;
@@ -408,7 +426,7 @@ class Scheduler:
         """``seq`` computes ``num_tokens`` tokens in this step (its decode token, or prompt
         tokens); with ``same_step_prefix_hits`` the blocks they fill are registered now, so
         later sequences of this step can hit them."""
-        self.undo_log.setattr(seq, "num_scheduled_tokens", num_tokens)
+        seq.num_scheduled_tokens = num_tokens   # (undone for the whole step at once: see schedule)
         plan.seqs.append(seq)
         if decode:
             plan.num_decode_seqs += 1
@@ -460,26 +478,28 @@ class Scheduler:
     def _record(self, out: SchedulerOutput, token_ids, logprobs) -> list[Sequence]:
         log, bm = self.undo_log, self.block_manager
         finished: list[Sequence] = []
+        num_generated = 0
         for i, seq in enumerate(out.seqs):
+            log.record(partial(seq.restore_progress, seq.num_cached_tokens, seq.num_scheduled_tokens,
+                               seq.num_tokens, seq.cumulative_logprob))
             # The step wrote the K/V of the scheduled tokens: they are cached now.
-            log.setattr(seq, "num_cached_tokens", seq.num_cached_tokens + seq.num_scheduled_tokens)
-            log.setattr(seq, "num_scheduled_tokens", 0)
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
             tokens = token_ids[i]
             if not tokens:   # a chunk of a prompt: nothing sampled yet
                 continue
             group = [seq] + self._fork(seq, len(tokens) - 1) if out.num_samples[i] > 1 else [seq]
-            lps = logprobs[i] if logprobs is not None else [0.0] * len(tokens)
-            for s, t, lp in zip(group, tokens, lps):
-                log.save(s, "num_tokens", "cumulative_logprob")
-                log.record(s.token_ids.pop)
+            num_generated += len(tokens)
+            for s, t, lp in zip(group, tokens, logprobs[i] if logprobs is not None else repeat(0.0)):
+                # (a fork made just now is dropped whole by the undo: its parent's is enough)
                 s.append_token(t)
                 s.cumulative_logprob += lp
-                log.add(self.stats, "generation_tokens", 1)
                 status = self._finish_status(s, t)
                 if status is not None:
                     log.remove(self.running, s)
                     self._set_status(s, status)
                     finished.append(s)
+        log.add(self.stats, "generation_tokens", num_generated)
         # Offer the blocks the step completed to other sequences -- a finishing sequence's too.
         for seq in out.seqs:
             if seq.block_table:
@@ -524,7 +544,7 @@ class Scheduler:
             if logprobs is not None and (not isinstance(logprobs[i], (list, tuple)) or len(logprobs[i]) != n):
                 raise ValueError(f"sequence {seq.seq_id}: expected {n} log-probabilities, got {logprobs[i]!r}")
             for t in tokens:
-                if not is_int(t) or t < 0:
+                if type(t) is not int or t < 0:   # (not a bool, not a float)
                     raise ValueError(f"sequence {seq.seq_id}: sampled token {t!r} is not a token id "
                                      f"(an integer >= 0)")
 
@@ -595,6 +615,11 @@ class Scheduler:
     def _set_status(self, seq: Sequence, status: SequenceStatus) -> None:
         check_transition(seq, status)
         self.undo_log.setattr(seq, "status", status)
+
+
+def _unschedule_tokens(seqs: list[Sequence]) -> None:
+    for seq in seqs:
+        seq.num_scheduled_tokens = 0
 
 
 def _results(model_runner_output):

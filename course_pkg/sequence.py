@@ -190,8 +190,17 @@ class Sequence:
             raise IndexError(f"logical block {i} out of range: sequence has {self.num_blocks} blocks")
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
+    def restore_progress(self, num_cached_tokens: int, num_scheduled_tokens: int, num_tokens: int,
+                         cumulative_logprob: float) -> None:
+        """Set the step's counters back and drop the tokens appended since (an undone step)."""
+        self.num_cached_tokens = num_cached_tokens
+        self.num_scheduled_tokens = num_scheduled_tokens
+        del self.token_ids[num_tokens:]
+        self.num_tokens = num_tokens
+        self.cumulative_logprob = cumulative_logprob
+
     def append_token(self, token_id: int) -> None:
-        if not is_int(token_id) or token_id < 0:
+        if type(token_id) is not int or token_id < 0:   # (is_int, inlined: called once per token)
             raise ValueError(f"sequence {self.seq_id}: cannot append {token_id!r}, a token id is an integer >= 0")
         self.token_ids.append(token_id)
         self.num_tokens += 1

@@ -18,9 +18,19 @@ None`` and pay one ``is None`` test per change.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 _MISSING = object()
+
+
+def _restore(obj: Any, names: tuple[str, ...], values: list) -> None:
+    """Write a before-image back (``UndoLog.save``); lists in place."""
+    for name, value in zip(names, values):
+        if type(value) is list:
+            getattr(obj, name)[:] = value
+        else:
+            setattr(obj, name, value)
 
 
 class UndoLog:
@@ -69,16 +79,8 @@ class UndoLog:
 
         Lists are copied, and restored in place, so every holder of the list sees it undone.
         """
-        image = [(name, value[:] if isinstance(value, list) else value)
-                 for name in names for value in (getattr(obj, name),)]
-
-        def restore():
-            for name, value in image:
-                if isinstance(value, list):
-                    getattr(obj, name)[:] = value
-                else:
-                    setattr(obj, name, value)
-        self._undo.append(restore)
+        values = [getattr(obj, name) for name in names]
+        self._undo.append(partial(_restore, obj, names, [v[:] if type(v) is list else v for v in values]))
 
     def setattr(self, obj: Any, name: str, value: Any) -> None:
         """``obj.name = value``, undoable."""

@@ -90,8 +90,8 @@ def snapshot(llm) -> dict:
     stats = bm.prefix_cache_stats
     pool = sched.cpu_pool
     generators = {("shared",): bytes(sampler.generator.get_state().numpy())}
-    for seq, per_index in sampler._seq_generators.items():
-        for index, gen in per_index.items():
+    for seq in {s.parent or s for s in live}:   # (finished requests' generators wait for the GC)
+        for index, gen in sampler._seq_generators.get(seq, {}).items():
             generators[(seq.seq_id, index)] = bytes(gen.get_state().numpy())
     return {
         "queues": ([(s.seq_id, s.status) for s in sched.waiting], [(s.seq_id, s.status) for s in sched.running]),
