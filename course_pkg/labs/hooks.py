@@ -40,6 +40,8 @@ PRIVATE_MEMBERS: dict[tuple[str, str], str] = {
     ("course_pkg.scheduler:Scheduler", "_choose_victim"): "mutants.PreemptOldestScheduler; solution of scheduler",
     ("course_pkg.scheduler:Scheduler", "_schedule_tokens"): "stubs (docstrings: how to schedule a sequence)",
     ("course_pkg.scheduler:Scheduler", "_admit"): "stubs.StudentMixedScheduler (docstring: how to admit a prompt)",
+    ("course_pkg.radix_tree:RadixCache", "_is_evictable_leaf"):
+        "mutants InnerEvictingRadixCache, HeldEvictingRadixCache",
     ("course_pkg.kernels.triton_kernels", "_store_kvcache_kernel"): "solution of store_kvcache",
     ("course_pkg.kernels.triton_kernels", "_block_and_offset"): "solution of paged_attention",
     ("course_pkg.kernels.triton_kernels", "_online_softmax_step"): "solution of paged_attention",

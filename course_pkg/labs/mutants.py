@@ -16,6 +16,7 @@ from collections import deque
 from course_pkg.block import Block
 from course_pkg.block_manager import BlockManager, NoFreeBlocksError
 from course_pkg.policies import AdmissionPolicy
+from course_pkg.radix_tree import RadixCache, RadixNode
 from course_pkg.scheduler import Scheduler
 from course_pkg.sequence import Sequence, SequenceStatus
 from course_pkg.swap import CpuBlockPool
@@ -452,3 +453,26 @@ class ReleaseKeepsEntryCpuBlockPool(CpuBlockPool):
 
     def release(self, seq_id: int) -> None:
         self.free_block_ids.extend(self.swapped[seq_id][0])
+
+
+# ---------------------------------------------------------------- chapter 11: the radix cache
+
+class InnerEvictingRadixCache(RadixCache):
+    """Counts an unheld node with children as evictable: its whole subtree is cut off with it."""
+
+    def _is_evictable_leaf(self, node: RadixNode) -> bool:
+        return node.parent is not None and node.ref_count == 0
+
+
+class HeldEvictingRadixCache(RadixCache):
+    """Evicts leaves that a running request still holds."""
+
+    def _is_evictable_leaf(self, node: RadixNode) -> bool:
+        return node.parent is not None and not node.children
+
+
+class NoTouchRadixCache(RadixCache):
+    """A lookup does not mark the path it matched as used: a hot prefix ages like a cold one."""
+
+    def match_prefix(self, keys, *, touch: bool = True) -> list[RadixNode]:
+        return super().match_prefix(keys, touch=False)

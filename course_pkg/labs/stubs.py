@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from course_pkg.block import Block
 from course_pkg.block_manager import BlockManager
+from course_pkg.radix_tree import RadixCache, RadixNode
 from course_pkg.scheduler import Scheduler, StepPlan
 from course_pkg.sequence import Sequence
 from course_pkg.swap import CpuBlockPool
@@ -254,4 +255,34 @@ class StudentCpuBlockPool(CpuBlockPool):
 
     def release(self, seq_id: int) -> None:
         """Forget ``seq_id`` and return its blocks to the tail of the free queue, in order."""
+        ...
+
+
+# ---------------------------------------------------------------- chapter 11
+
+class StudentRadixCache(RadixCache):
+    """Lab ``radix_cache``: SGLang's cache of prefixes as a tree, evicting LRU leaves.
+
+    Kept from the package: ``root`` (a ``RadixNode`` with no key), ``clock`` and ``tick()``,
+    ``lock`` / ``unlock`` (a holder's ``ref_count`` on each node of its path; they keep
+    ``evictable`` right), ``nodes()`` and ``eviction_key(node)`` (smallest first:
+    ``node.last_access``). A node has ``key``, ``parent``, ``children`` (key -> node),
+    ``ref_count``, ``last_access`` and ``depth``. Keep ``num_cached`` (nodes in the tree) and
+    ``evictable`` (nodes with ``ref_count == 0``) right in what you write.
+    """
+
+    def match_prefix(self, keys, *, touch: bool = True) -> list[RadixNode]:
+        """The nodes of the longest cached prefix of ``keys``, root's child first. With ``touch``,
+        set each one's ``last_access`` to ``self.clock``."""
+        ...
+
+    def insert(self, keys) -> list[RadixNode]:
+        """Cache the whole path ``keys`` and return its nodes (new ones get ``last_access =
+        self.clock``). If the pool (``num_blocks``) is too full, evict first -- never a node of
+        this path; raise ``MemoryError`` and change nothing if eviction cannot make room."""
+        ...
+
+    def evict(self, num: int) -> int:
+        """Remove up to ``num`` nodes, one at a time: each time the unheld *leaf* (no children,
+        ``ref_count == 0``) with the smallest ``eviction_key``. Return how many were removed."""
         ...

@@ -1,0 +1,233 @@
+"""Public serving traces: Mooncake's and Azure's formats, read into one request type (chapter 11).
+
+* Mooncake (FAST'25; JSON lines): ``timestamp`` (ms), ``input_length``, ``output_length`` and
+  ``hash_ids``, one id per 512-token prompt block. The ids are chained: two requests share their
+  first ``k`` ids exactly when they share their first ``k * 512`` prompt tokens. That is all a
+  block-level replay needs -- one trace id is one KV block.
+* Azure (Splitwise, ISCA 2024; CSV): ``TIMESTAMP,ContextTokens,GeneratedTokens``. Arrival times
+  and lengths only: nothing says which requests share a prefix.
+
+Both files ship in ``data/`` (``data/README.md`` has their licenses). The other traces the two
+projects publish in the same formats load unchanged. A line that does not parse raises
+``TraceFormatError`` naming the file and the line.
+
+From a shell::
+
+    python -m course_pkg.workloads.traces describe data/mooncake_synthetic_trace.jsonl
+    python -m course_pkg.workloads.traces replay data/mooncake_synthetic_trace.jsonl --policy radix --pool 4000
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+MOONCAKE_BLOCK_SIZE = 512   # tokens per hash id in Mooncake's traces
+DATA_DIR = Path(__file__).resolve().parents[2] / "data"
+MOONCAKE_TRACE = DATA_DIR / "mooncake_synthetic_trace.jsonl"
+AZURE_CODE_TRACE = DATA_DIR / "azure_llm_inference_code_2023.csv"
+
+
+class TraceFormatError(ValueError):
+    """A trace line that does not parse; the message names the file and the line."""
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of a trace. ``hash_ids``: Mooncake's block ids (None for Azure, which has none)."""
+
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...] | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        """Prompt blocks of ``MOONCAKE_BLOCK_SIZE`` tokens: ceil(input_length / 512)."""
+        return -(-self.input_length // MOONCAKE_BLOCK_SIZE)
+
+
+def _count(value, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{what} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def _limit(limit) -> int | None:
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
+        raise ValueError(f"limit must be None or an integer >= 0, got {limit!r}")
+    return limit
+
+
+def load_mooncake(path, limit: int | None = None) -> list[TraceRequest]:
+    """The requests of a Mooncake trace (JSON lines), in file order; the first ``limit`` only if given.
+
+    Checked per line: the four fields, counts >= 0, ``len(hash_ids) == ceil(input_length / 512)``,
+    and across lines that an id always follows the same parent id (the chained-prefix property
+    the replay relies on).
+    """
+    limit = _limit(limit)
+    requests: list[TraceRequest] = []
+    parent_of: dict[int, int] = {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(requests) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError("a line must be a JSON object")
+                missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in row]
+                if missing:
+                    raise ValueError(f"missing field(s) {missing}")
+                ts = row["timestamp"]
+                if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts) or ts < 0:
+                    raise ValueError(f"timestamp must be a number >= 0, got {ts!r}")
+                input_length = _count(row["input_length"], "input_length")
+                output_length = _count(row["output_length"], "output_length")
+                ids = row["hash_ids"]
+                if not isinstance(ids, list):
+                    raise ValueError(f"hash_ids must be a list, got {type(ids).__name__}")
+                ids = tuple(_count(x, "every hash id") for x in ids)
+                expected = -(-input_length // MOONCAKE_BLOCK_SIZE)
+                if len(ids) != expected:
+                    raise ValueError(f"{len(ids)} hash_ids for input_length {input_length}: "
+                                     f"expected ceil({input_length} / {MOONCAKE_BLOCK_SIZE}) = {expected}")
+                parent = -1
+                for x in ids:
+                    if parent_of.setdefault(x, parent) != parent:
+                        raise ValueError(f"hash id {x} follows {parent} here but {parent_of[x]} "
+                                         "on an earlier line: the ids are not chained prefixes")
+                    parent = x
+            except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+                raise TraceFormatError(f"{path}, line {lineno}: {e}") from None
+            requests.append(TraceRequest(float(ts), input_length, output_length, ids))
+    return requests
+
+
+AZURE_COLUMNS = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
+
+
+def _parse_azure_time(text: str) -> datetime:
+    # "2023-11-16 18:17:03.9799600": seven fraction digits, one more than datetime reads.
+    whole, _, fraction = text.strip().partition(".")
+    return datetime.strptime(f"{whole}.{(fraction or '0')[:6]:0<6}", "%Y-%m-%d %H:%M:%S.%f")
+
+
+def load_azure(path, limit: int | None = None) -> list[TraceRequest]:
+    """The requests of an Azure LLM inference trace (CSV), in file order; ``timestamp_ms`` counts
+    from the first request. ``hash_ids`` is None: the format says nothing about shared prefixes."""
+    limit = _limit(limit)
+    requests: list[TraceRequest] = []
+    start = None
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header != AZURE_COLUMNS:
+            raise TraceFormatError(f"{path}, line 1: expected the header {','.join(AZURE_COLUMNS)}, got {header}")
+        for row in reader:
+            if limit is not None and len(requests) >= limit:
+                break
+            lineno = reader.line_num
+            try:
+                if len(row) != 3:
+                    raise ValueError(f"expected 3 fields, got {len(row)}")
+                when = _parse_azure_time(row[0])
+                input_length = _count(int(row[1]), "ContextTokens")
+                output_length = _count(int(row[2]), "GeneratedTokens")
+            except ValueError as e:
+                raise TraceFormatError(f"{path}, line {lineno}: {e}") from None
+            start = when if start is None else start
+            ms = (when - start).total_seconds() * 1000
+            if ms < 0:
+                raise TraceFormatError(f"{path}, line {lineno}: timestamp {row[0]} is before the first request's")
+            requests.append(TraceRequest(ms, input_length, output_length, None))
+    return requests
+
+
+def load_trace(path, limit: int | None = None) -> list[TraceRequest]:
+    """Mooncake for ``.jsonl``, Azure for ``.csv``."""
+    suffix = Path(path).suffix.lower()
+    if suffix == ".jsonl":
+        return load_mooncake(path, limit)
+    if suffix == ".csv":
+        return load_azure(path, limit)
+    raise ValueError(f"{path}: unknown trace format {suffix!r} (Mooncake .jsonl or Azure .csv)")
+
+
+@dataclass(frozen=True)
+class TraceSummary:
+    num_requests: int
+    duration_s: float
+    mean_input: float
+    median_input: int
+    max_input: int
+    mean_output: float
+    num_blocks: int             # prompt blocks over all requests (0 without hash ids)
+    num_distinct_blocks: int    # distinct hash ids (0 without hash ids)
+    max_request_blocks: int
+
+    def __str__(self) -> str:
+        lines = [f"requests            {self.num_requests:,}",
+                 f"duration            {self.duration_s:,.1f} s",
+                 f"input tokens        mean {self.mean_input:,.0f}, median {self.median_input:,}, max {self.max_input:,}",
+                 f"output tokens       mean {self.mean_output:,.0f}"]
+        if self.num_blocks:
+            lines += [f"prompt blocks       {self.num_blocks:,} ({self.num_distinct_blocks:,} distinct: "
+                      f"{1 - self.num_distinct_blocks / self.num_blocks:.1%} are repeats)",
+                      f"largest request     {self.max_request_blocks} blocks"]
+        return "\n".join(lines)
+
+
+def summarize(trace: list[TraceRequest]) -> TraceSummary:
+    if not trace:
+        raise ValueError("the trace is empty")
+    inputs = sorted(r.input_length for r in trace)
+    with_ids = [r for r in trace if r.hash_ids is not None]
+    return TraceSummary(
+        num_requests=len(trace),
+        duration_s=(trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000,
+        mean_input=sum(inputs) / len(inputs), median_input=inputs[len(inputs) // 2], max_input=inputs[-1],
+        mean_output=sum(r.output_length for r in trace) / len(trace),
+        num_blocks=sum(len(r.hash_ids) for r in with_ids),
+        num_distinct_blocks=len({x for r in with_ids for x in r.hash_ids}),
+        max_request_blocks=max((len(r.hash_ids) for r in with_ids), default=0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from course_pkg.workloads.replay import POLICIES, replay
+
+    parser = argparse.ArgumentParser(prog="python -m course_pkg.workloads.traces",
+                                     description="Describe or replay a Mooncake (.jsonl) or Azure (.csv) trace.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_describe = sub.add_parser("describe", help="lengths and sharing of a trace")
+    p_describe.add_argument("trace")
+    p_describe.add_argument("--limit", type=int, default=None, help="read the first N requests only")
+    p_replay = sub.add_parser("replay", help="replay a trace through a cache policy")
+    p_replay.add_argument("trace")
+    p_replay.add_argument("--policy", choices=sorted(POLICIES), default="vllm")
+    p_replay.add_argument("--pool", type=int, required=True, help="KV blocks in the pool")
+    p_replay.add_argument("--concurrency", type=int, default=16, help="requests holding blocks at once")
+    p_replay.add_argument("--limit", type=int, default=None, help="replay the first N requests only")
+    args = parser.parse_args(argv)
+    try:
+        trace = load_trace(args.trace, args.limit)
+        if args.command == "describe":
+            print(summarize(trace))
+        else:
+            print(replay(trace, args.policy, args.pool, concurrency=args.concurrency))
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
