@@ -26,9 +26,10 @@ $(STAMP): pyproject.toml requirements-lock.txt
 	$(BIN)/pip install --quiet --disable-pip-version-check -c requirements-lock.txt -e ".[dev]"
 	touch $(STAMP)
 
+# Two workers on the two cores; --dist loadfile keeps each notebook (one kernel) on one worker.
 test: $(STAMP) chromium
 	$(BIN)/python -m pytest tests notebooks --nbval --nbval-current-env \
-		--nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
+		--nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider -n 2 --dist loadfile
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -x -q -p no:cacheprovider
