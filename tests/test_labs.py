@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -407,9 +409,106 @@ def test_cli_lists_every_lab_and_grades_a_file(tmp_path):
     failed = _cli("fragmentation", str(bad), "--name", "frag")
     assert failed.returncode == 1 and "one token in a block of 16: internal_fragmentation([1], 16)" in failed.stdout
     missing = _cli("fragmentation", str(bad))
-    assert missing.returncode != 0 and "defines no 'student_internal_fragmentation'" in missing.stderr
+    assert missing.returncode == 1 and "defines no 'student_internal_fragmentation'" in missing.stdout
     unknown = _cli("no_such_lab", str(good))
     assert unknown.returncode == 2 and "no lab named" in unknown.stderr
+
+
+# The command line grades in a child process it can kill: a file that exits, crashes, loops, swallows
+# the timeout or patches the grader fails, with a message, within its limits. (Short limits keep these fast.)
+_SEQ = "from course_pkg.sequence import Sequence\n"
+_METHOD = _SEQ + "class StudentSequence(Sequence):\n    @property\n    def num_blocks(self):\n"
+CLI_CASES = {
+    "sys.exit(0) at import": (_SEQ + "class StudentSequence(Sequence): pass\nimport sys\nsys.exit(0)\n",
+                              "importing case.py raised SystemExit: 0 (line 4 of case.py); a file to grade must not exit"),
+    "os._exit(0) at import": (_SEQ + "class StudentSequence(Sequence): pass\nimport os\nos._exit(0)\n",
+                              "the grading process ended while importing case.py (exit status 0)"),
+    "KeyboardInterrupt at import": (_SEQ + "raise KeyboardInterrupt\n", "importing case.py raised KeyboardInterrupt"),
+    "sys.exit(0) in a method": (_METHOD + "        import sys; sys.exit(0)\n",
+                                "1 token, block size 1: raised SystemExit: 0 (graded code must return, not exit)"),
+    "os._exit(0) in a method": (_METHOD + "        import os; os._exit(0)\n",
+                                "1 token, block size 1: the grading process ended during this scenario (exit status 0)"),
+    "a crash in a method": (_METHOD + "        import os, signal; os.kill(os.getpid(), signal.SIGSEGV)\n",
+                            "the grading process ended during this scenario (killed by SIGSEGV)"),
+    "KeyboardInterrupt in a method": (_METHOD + "        raise KeyboardInterrupt\n",
+                                      "1 token, block size 1: raised KeyboardInterrupt (raised by the code under test)"),
+    "Grading patched at import": ("from course_pkg.labs.lab import Grading\nGrading.fail = lambda self, what: None\n"
+                                  + _METHOD + "        return 0\n", "course_pkg.labs.lab.Grading.fail was replaced"),
+    "Lab.grade patched at import": ("from course_pkg.labs.lab import Lab, LabReport\n"
+                                    "Lab.grade = lambda self, impl: LabReport(self.name, True, [])\n"
+                                    + _METHOD + "        return 0\n", "course_pkg.labs.lab.Lab.grade was replaced"),
+    "Grading patched in a method": (_METHOD + "        from course_pkg.labs.lab import Grading\n"
+                                    "        Grading.equal = lambda *args: None\n        return 0\n",
+                                    "1 token, block size 1: the graded code changed the grader"),
+    "a forged report": ("import os\nfor fd in range(3, 30):\n    try:\n        os.write(fd, b'{\"event\": \"done\"}\\n')\n"
+                        "    except OSError:\n        pass\n" + _SEQ + "class StudentSequence(Sequence): pass\n",
+                        "the grading channel received a message the grader did not send"),
+    "an endless import": ("while True:\n    pass\n", "importing case.py did not finish within 1 s"),
+    "an endless method": (_METHOD + "        while True:\n            pass\n",
+                          "2 scenarios ran past their 1 s: the scenarios after '5 tokens, block size 1' were not run"),
+    "a swallowed timeout": (_METHOD + "        while True:\n            try:\n                while True:\n"
+                            "                    pass\n            except BaseException:\n                pass\n",
+                            "1 token, block size 1: still running after 2.1 s: the code under test did not stop"),
+}
+
+
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_cli_fails_a_file_that_exits_crashes_loops_or_patches_the_grader(case, tmp_path):
+    source, message = CLI_CASES[case]
+    path = tmp_path / "case.py"
+    path.write_text(source)
+    start = time.monotonic()
+    result = _cli("logical_blocks", str(path), "--import-limit", "1", "--scenario-limit", "1")
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout.startswith("lab logical_blocks: FAILED") and "PASSED" not in result.stdout, result.stdout
+    assert message in result.stdout, result.stdout
+    assert elapsed < 15, f"{case}: {elapsed:.1f} s"
+
+
+def test_cli_patching_lockstep_fails_and_json_has_one_record_per_scenario(tmp_path):
+    path = tmp_path / "case.py"
+    path.write_text("from course_pkg.labs import lockstep\nlockstep.Lockstep.compare = lambda self, label: None\n"
+                    "from course_pkg.block import Block\nclass StudentBlock(Block):\n    def reset(self):\n"
+                    "        self.ref_count = 0\n")
+    patched = _cli("block_reset", str(path))
+    assert patched.returncode == 1 and "course_pkg.labs.lockstep.Lockstep.compare was replaced" in patched.stdout
+    path.write_text("from course_pkg.sequence import Sequence\nclass StudentSequence(Sequence):\n"
+                    "    @property\n    def num_blocks(self):\n        return self.num_tokens // self.block_size + 1\n")
+    result = _cli("logical_blocks", str(path), "--json")
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["verdict"] == "FAILED" and report["passed"] is False and report["problems"] == []
+    by_name = {r["name"]: r for r in report["scenarios"]}
+    assert len(by_name) == len(report["scenarios"]) == 9
+    assert by_name["16 tokens, block size 16"] == {"name": "16 tokens, block size 16", "passed": False,
+                                                   "message": "num_blocks: expected 1, got 2",
+                                                   "seconds": by_name["16 tokens, block size 16"]["seconds"]}
+    assert by_name["1 token, block size 16"]["passed"] is True     # 1 // 16 + 1 == 1: right by chance
+    path.write_text("from course_pkg.sequence import Sequence as StudentSequence\n")
+    good = _cli("logical_blocks", str(path), "--json")
+    assert good.returncode == 0 and json.loads(good.stdout)["verdict"] == "PASSED", good.stdout
+    assert all(r["passed"] for r in json.loads(good.stdout)["scenarios"])
+
+
+def test_in_notebook_grading_records_exits_and_a_raised_scenario_failed_as_failures():
+    import sys as _sys
+
+    from course_pkg.labs.lab import ScenarioFailed
+
+    class Exits(Sequence):
+        @property
+        def num_blocks(self):
+            _sys.exit(0)
+
+    class EndsTheScenario(Sequence):
+        @property
+        def num_blocks(self):
+            raise ScenarioFailed
+
+    for impl, what in ((Exits, "raised SystemExit: 0"), (EndsTheScenario, "raised ScenarioFailed")):
+        report = LABS["logical_blocks"].grade(impl)
+        assert not report.passed and all(what in f for f in report.failures[:8]), report.failures
 
 
 def test_misuse_of_the_registry_is_named():
