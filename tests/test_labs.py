@@ -74,6 +74,42 @@ def test_every_mutant_is_rejected_and_the_failure_names_its_scenario(name, mutan
     _assert_failures_name_their_scenario(report)
 
 
+# The wrong implementations issue 18 found passing, each rejected in the scenario that tests its rule.
+ISSUE_18_MUTANTS = [
+    ("logical_blocks", "block(-1) returns []", "16 tokens, block size 16", "block(-1) must raise IndexError"),
+    ("allocate", "never counts prefix_cache_stats",
+     "prefix_cache_stats: first admissions and readmissions counted apart", "expected (1, 10, 0, 0, 0, 0), got (0, 0, 0"),
+    ("allocate", "readmissions counted as first admissions",
+     "prefix_cache_stats: first admissions and readmissions counted apart",
+     "after B's readmission: the preempted_* counters only: expected (2, 21, 8, 1, 11, 8), got (3, 32, 16, 0, 0, 0)"),
+    ("allocate", "room check ignores revived blocks", "revived blocks count against the room",
+     "allocate(B, 2) raised as it must, but changed free queue"),
+    ("free_queue", "popleft is list.pop(0) (O(n))", "popleft, append and remove cost the same", "popleft is "),
+    ("fork_cow", "fork never checks the child is a copy", "misuse is refused and changes nothing",
+     "fork(A, Z) must raise"),
+]
+
+
+@pytest.mark.parametrize(("name", "mutant", "scenario", "what"), ISSUE_18_MUTANTS,
+                         ids=[f"{n}-{m}" for n, m, _, _ in ISSUE_18_MUTANTS])
+def test_the_wrong_implementations_of_issue_18_fail_in_their_scenario(name, mutant, scenario, what):
+    report = LABS[name].grade(LABS[name].mutants[mutant])
+    failure = next((f for f in report.failures if f.startswith(scenario)), None)
+    assert failure is not None and what in failure, report.failures
+
+
+def test_cpu_pool_accepts_any_release_order():
+    from course_pkg.swap import CpuBlockPool
+
+    class ReleaseToHead(CpuBlockPool):               # right: CPU blocks hold no cache
+        def release(self, seq_id):
+            block_ids, _ = self.swapped.pop(seq_id)
+            self.free_block_ids.extendleft(block_ids)
+
+    report = LABS["cpu_pool"].grade(ReleaseToHead)
+    assert report.passed, str(report)
+
+
 # ------------------------------------------------------------------ correct solutions, written here
 
 class DictFreeBlockQueue:
@@ -162,7 +198,7 @@ class ScratchAllocateBlockManager(BlockManager):
             seq.block_table.append(self._allocate_block().block_id)
         seq.block_hashes = hashes[:num_cached_blocks]
         seq.num_cached_tokens = num_cached_blocks * self.block_size
-        self.prefix_cache_stats.record(seq.num_tokens, seq.num_cached_tokens)
+        self.prefix_cache_stats.record(seq.num_tokens, seq.num_cached_tokens, preempted=bool(seq.num_preemptions))
 
     def deallocate(self, seq):
         if not seq.block_table:
@@ -266,7 +302,8 @@ class ScratchForkBlockManager(BlockManager):
     """fork and copy-on-write written from chapter 08's rules."""
 
     def fork(self, parent, child):
-        if not parent.block_table or child.block_table or child.token_ids != parent.token_ids:
+        if (not parent.block_table or child.block_table or child.token_ids != parent.token_ids
+                or child.num_cached_tokens != parent.num_cached_tokens):
             raise ValueError("fork needs a parent with blocks and a blockless copy of it")
         for b in parent.block_table:
             self.blocks[b].ref_count += 1
@@ -337,10 +374,15 @@ def test_a_correct_solution_written_differently_passes(name, solution):
 
 # ------------------------------------------------------------------ the measured gates
 
-def test_the_free_queue_gate_alone_rejects_an_o_n_remove():
-    report = LABS["free_queue"].grade(LABS["free_queue"].mutants["deque.remove (O(n))"])
-    assert len(report.failures) == 1 and report.failures[0].startswith("remove costs the same"), report.failures
-    assert re.search(r"ratio \d+\.\d+", " ".join(report.notes))
+@pytest.mark.parametrize(("mutant", "op"), [("deque.remove (O(n))", "remove"), ("popleft is list.pop(0) (O(n))", "popleft"),
+                                           ("append scans the queue (O(n))", "append")])
+def test_the_free_queue_gate_alone_rejects_an_o_n_operation(mutant, op):
+    report = LABS["free_queue"].grade(LABS["free_queue"].mutants[mutant])
+    assert len(report.failures) == 1, report.failures
+    assert report.failures[0].startswith("popleft, append and remove cost the same at 1,000 and 100,000 blocks: "
+                                          f"{op} is "), report.failures
+    assert [o for o in ("popleft", "append", "remove") if f"{o} is " in report.failures[0]] == [op]
+    assert len(re.findall(r"ratio \d+\.\d+", " ".join(report.notes))) == 3
 
 
 def test_the_prefix_caching_lab_reports_the_saving_and_requires_the_references():
