@@ -560,6 +560,72 @@ def test_misuse_of_the_registry_is_named():
         show_solution("nope")
 
 
+# ------------------------------------------------------------------ build first: the lab before the body
+
+#: Chapters built lab first: no cell before a lab's section shows the body the lab asks for.
+BUILD_FIRST_CHAPTERS = ("03", "08")
+
+
+def _body_lines(lab) -> list[tuple[str, list[str]]]:
+    """Per function the lab asks for (each method of a class): its statements' lines, without
+    the docstring, comments and lines too short to tell one function from another."""
+    import ast
+    import inspect
+
+    functions = []
+    for obj in lab.solution:
+        obj = getattr(obj, "fget", obj)
+        members = vars(obj).values() if isinstance(obj, type) else [obj]
+        functions += [getattr(m, "fget", m) for m in members if inspect.isfunction(getattr(m, "fget", m))]
+    units = []
+    for fn in functions:
+        source = textwrap.dedent(inspect.getsource(fn))
+        node = ast.parse(source).body[0]
+        body = node.body
+        if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            body = body[1:]
+        lines = source.splitlines()[body[0].lineno - 1:node.end_lineno] if body else []
+        lines = [line.strip() for line in lines if len(line.strip()) >= 12 and not line.strip().startswith("#")]
+        if len(lines) >= 2:
+            units.append((fn.__qualname__, lines))
+    return units
+
+
+def _shown(cell) -> str:
+    """What a reader sees of a cell: its source and its text outputs."""
+    text = [cell.source]
+    for output in cell.get("outputs", []):
+        text.append(output.get("text", ""))
+        text.append(output.get("data", {}).get("text/plain", ""))
+    return "\n".join(text)
+
+
+def _revealed(cell, units) -> list[str]:
+    """The functions of ``units`` whose body the cell shows (at least half of its lines)."""
+    text = _shown(cell)
+    return [name for name, lines in units if sum(line in text for line in lines) * 2 >= len(lines)]
+
+
+@pytest.mark.parametrize("chapter", BUILD_FIRST_CHAPTERS)
+def test_no_cell_before_a_lab_section_shows_the_body_the_lab_asks_for(chapter):
+    import nbformat
+
+    [path] = (ROOT / "notebooks").glob(f"{chapter}_*.ipynb")
+    cells = nbformat.read(path, as_version=4).cells
+    for lab in labs_of_chapter(int(chapter)):
+        units = _body_lines(lab)
+        assert units, f"lab {lab.name}: no body to look for"
+        start = next(i for i, c in enumerate(cells) if c.get("id") == f"lab-{chapter}-{lab.name}-task".replace("_", "-"))
+        if start and cells[start - 1].get("id") == f"lab-{chapter}-intro":
+            start -= 1
+        early = [(i, _revealed(c, units)) for i, c in enumerate(cells[:start])]
+        assert not [e for e in early if e[1]], f"lab {lab.name}: cells before its section show its body: {[e for e in early if e[1]]}"
+        end = start + 1 + next(i for i, c in enumerate(cells[start + 1:]) if "lab" not in c.metadata.get("tags", []))
+        after = [i for i, c in enumerate(cells[end:], end) if _revealed(c, units) and "lab" not in c.metadata.get("tags", [])]
+        assert after and after[0] == end + (cells[end].cell_type == "markdown"), \
+            f"lab {lab.name}: the package's code is not shown right after the lab (cells {after})"
+
+
 # ------------------------------------------------------------------ tools/add_lab_sections.py
 
 def _load_tool():
@@ -596,6 +662,33 @@ def test_add_lab_sections_inserts_before_the_summary_touches_nothing_else_and_is
     nb.cells.append(nb.cells.pop(tagged[0]))
     nbformat.write(nb, path)
     assert tool.update(path) is True and path.read_text() == before
+
+
+def test_add_lab_sections_puts_a_lab_just_before_the_cell_that_reveals_its_body(tmp_path):
+    import nbformat
+
+    tool = _load_tool()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# 03 · Title"), nbformat.v4.new_markdown_cell("## 1. The idea"),
+                nbformat.v4.new_code_cell("show_source(FreeBlockQueue)", metadata={"tags": ["reveals-free_queue"]}),
+                nbformat.v4.new_markdown_cell("## Summary"), nbformat.v4.new_markdown_cell("## References")]
+    path = tmp_path / "03_lru.ipynb"
+    nbformat.write(nb, path)
+    assert tool.update(path) is True
+    cells = nbformat.read(path, as_version=4).cells
+    ids = [c.get("id") for c in cells]
+    reveal = next(i for i, c in enumerate(cells) if "reveals-free_queue" in c.metadata.get("tags", []))
+    # intro + free_queue's four cells right before the reveal; release_order's before the summary
+    assert ids[reveal - 5:reveal] == ["lab-03-intro", "lab-03-free-queue-task", "lab-03-free-queue-stub",
+                                      "lab-03-free-queue-grade", "lab-03-free-queue-solution"]
+    assert ids[reveal + 1:reveal + 5] == ["lab-03-release-order-task", "lab-03-release-order-stub",
+                                          "lab-03-release-order-grade", "lab-03-release-order-solution"]
+    assert cells[reveal + 5].source == "## Summary"
+    intro = cells[reveal - 5].source
+    assert "before you read it" in intro and "(`release_order`) comes later in the chapter" in intro
+    assert cells[reveal - 3].source.startswith("from course_pkg.labs import grade")   # imports with the first lab
+    before = path.read_text()
+    assert tool.update(path) is False and path.read_text() == before
 
 
 def test_add_lab_sections_refuses_a_notebook_without_a_summary(tmp_path):
