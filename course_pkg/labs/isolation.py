@@ -22,6 +22,7 @@ tricks and honest mistakes, not a security boundary.)
 from __future__ import annotations
 
 import ast
+import builtins
 import importlib
 import importlib.util
 import json
@@ -394,6 +395,9 @@ def _watch():
     def entries(namespace) -> dict:
         return {k: (v, _code_of(v)) for k, v in list(namespace.items())}
 
+    # New names in a module change nothing that ran before unless they shadow a builtin (Triton's
+    # interpreter adds dozens to the module of a kernel it runs; a submodule import adds one).
+    builtin_names = set(vars(builtins))
     watched = []          # (dotted name, module or class, its entries then, is a module, is ours)
     for name, module in list(sys.modules.items()):
         ours = name == "course_pkg" or name.startswith("course_pkg.")
@@ -416,9 +420,9 @@ def _watch():
                     found.append(f"{where}.{attr} was deleted")
                 elif now[attr] is not value or _code_of(now[attr]) is not code:
                     found.append(f"{where}.{attr} was replaced")
-            if ours:     # a new name in a module shadows a builtin; in a class, an inherited one
+            if ours:     # a new name in a class shadows an inherited one; in a module, a builtin
                 found += [f"{where}.{attr} was added" for attr in now.keys() - before.keys()
-                          if not (is_module and isinstance(now[attr], type(sys)))]   # a submodule, imported
+                          if not is_module or attr in builtin_names]
         return found
 
     return changes
