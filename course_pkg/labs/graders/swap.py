@@ -39,6 +39,7 @@ def _partition_problem(pool) -> str | None:
 def _checked_swap_out(g: Grading, pool, seq_id: int, num_blocks: int, tokens: int, what: str) -> list[int]:
     free_before = set(pool.free_block_ids)
     got = pool.swap_out(seq_id, num_blocks, tokens)
+    g.check(isinstance(got, list), f"{what}: swap_out({seq_id}, {num_blocks}) returned {got!r}, not a list of block ids")
     g.check(len(got) == num_blocks and len(set(got)) == num_blocks and set(got) <= free_before,
             f"{what}: swap_out({seq_id}, {num_blocks}) returned {got}: {num_blocks} distinct blocks "
             f"that were free ({sorted(free_before)})")
