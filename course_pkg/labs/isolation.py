@@ -182,106 +182,127 @@ def _kill(child: subprocess.Popen) -> None:
 def _follow(child, fd: int, token: str, report: FileReport, file_name: str,
             import_limit: float, scenario_limit: float) -> None:
     """Read the child's messages until it finishes, dies, or overruns a limit."""
-    phase, current = "setup", None         # setup -> import -> between <-> scenario
-    deadline = time.monotonic() + SETUP_LIMIT
-    started_at = time.monotonic()
-    buffer = b""
+    _Follower(child, token, report, file_name, import_limit, scenario_limit).run(fd)
 
-    def stopped(what: str) -> None:
-        report.problems.append(what)
 
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            os.killpg(child.pid, signal.SIGKILL)
-            if phase == "setup":
-                stopped(f"the grader did not start within {SETUP_LIMIT:g} s; the grading process was stopped")
-            elif phase == "import":
-                stopped(f"importing {file_name} did not finish within {import_limit:g} s (an endless loop "
-                        "or a long computation at import time?); the grading process was stopped")
-            elif phase == "scenario":
-                report.records.append(ScenarioRecord(current, False, (
-                    f"still running after {scenario_limit + grace(scenario_limit):g} s: the code under test "
-                    f"did not stop when its {scenario_limit:g} s were up (it catches the timeout, or never "
-                    "returns to Python); the grading process was killed, so the scenarios after this one "
-                    "did not run"), round(time.monotonic() - started_at, 3)))
-                stopped(f"grading stopped in scenario {current!r}: it ran past its time limit")
-            else:
-                stopped(f"the grader made no progress for {scenario_limit + grace(scenario_limit):g} s after "
-                        f"scenario {current!r}; the grading process was stopped")
-            return
-        ready, _, _ = select.select([fd], [], [], left)
-        if not ready:
-            continue
-        chunk = os.read(fd, 65536)
-        if not chunk:                      # the child closed the channel: it ended
-            try:
-                returncode = child.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                returncode = None
-            how = _signal_name(returncode)
-            if phase == "setup":
-                stopped(f"the grader failed to start ({how}) before {file_name} was imported: see its output")
-            elif phase == "import":
-                stopped(f"the grading process ended while importing {file_name} ({how}): a file to grade "
-                        "must not exit (sys.exit, os._exit) or crash when it is imported")
-            elif phase == "scenario":
-                report.records.append(ScenarioRecord(current, False, (
-                    f"the grading process ended during this scenario ({how}): graded code must return, "
-                    "not exit (os._exit) or crash"), round(time.monotonic() - started_at, 3)))
-                stopped(f"grading stopped in scenario {current!r}: the scenarios after it did not run")
-            else:
-                stopped(f"the grading process ended before the grader finished ({how}, after scenario "
-                        f"{current!r}): graded code must not exit or crash")
-            return
-        buffer += chunk
-        if len(buffer) > 1 << 20:
-            stopped("the grading channel received more than 1 MiB without a line end; the grading process "
-                    "was stopped")
-            return
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            try:
-                message = json.loads(line)
-                assert isinstance(message, dict) and message.pop("token") == token
-            except Exception:  # noqa: BLE001 -- anything but the child's own message
-                stopped("the grading channel received a message the grader did not send (does the graded "
-                        "code write to file descriptors it did not open?); the grading process was stopped")
-                return
-            event = message.get("event")
-            now = time.monotonic()
-            if event == "ready" and phase == "setup":
-                phase, deadline = "import", now + import_limit
-            elif event == "imported" and phase == "import":
-                phase, deadline = "between", now + scenario_limit + grace(scenario_limit)
-            elif event == "start" and phase == "between":
-                phase, current, started_at = "scenario", message["scenario"], now
-                deadline = now + scenario_limit + grace(scenario_limit)
-            elif event == "end" and phase == "scenario" and message["scenario"] == current:
-                failure = message["failure"]
-                report.records.append(ScenarioRecord(current, failure is None, failure,
-                                                     round(message["seconds"], 3)))
-                phase, deadline = "between", now + scenario_limit + grace(scenario_limit)
-            elif event == "done" and phase == "between":
-                report.notes = list(message["notes"])
-                if message["scenarios"] != len(report.records):
-                    stopped(f"the grader reported {message['scenarios']} scenarios, the channel "
-                            f"{len(report.records)}")
-                else:
-                    report.finished = True
-                return
-            elif event in ("import_failed", "missing", "tampered", "grader_error", "stopped"):
-                if event == "tampered" and phase == "scenario":
-                    report.records.append(ScenarioRecord(current, False, message["message"],
-                                                         round(now - started_at, 3)))
-                    stopped(f"grading stopped in scenario {current!r}: the graded code changed the grader")
-                else:
-                    stopped(message["message"])
-                return
-            else:
-                stopped(f"the grading channel received {event!r} out of order (while {phase}); "
-                        "the grading process was stopped")
-                return
+class _Follower:
+    """The parent's side of the channel: a small state machine over the child's messages.
+
+    Phases: ``setup`` (the child loads the grader) -> ``import`` (the student's file runs) ->
+    ``between`` <-> ``scenario``. Each phase has a deadline; the report gets one record per
+    scenario that ended, and a problem for whatever ended the grading early.
+    """
+
+    def __init__(self, child, token: str, report: FileReport, file_name: str,
+                 import_limit: float, scenario_limit: float):
+        self.child, self.token, self.report, self.file_name = child, token, report, file_name
+        self.import_limit = import_limit
+        self.scenario_limit = scenario_limit
+        self.step_limit = scenario_limit + grace(scenario_limit)
+        self.phase, self.current = "setup", None
+        self.started_at = time.monotonic()
+        self.deadline = self.started_at + SETUP_LIMIT
+
+    def run(self, fd: int) -> None:
+        buffer = b""
+        while True:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                _kill(self.child)
+                return self._timed_out()
+            if not select.select([fd], [], [], left)[0]:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:                      # the child closed the channel: it ended
+                return self._ended()
+            buffer += chunk
+            if len(buffer) > 1 << 20:
+                return self._stop("the grading channel received more than 1 MiB without a line end")
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                if self._handle(line):
+                    return
+
+    def _stop(self, what: str) -> bool:
+        self.report.problems.append(what)
+        return True
+
+    def _record(self, passed: bool, message: str | None, seconds: float | None = None) -> None:
+        seconds = time.monotonic() - self.started_at if seconds is None else seconds
+        self.report.records.append(ScenarioRecord(self.current, passed, message, round(seconds, 3)))
+
+    def _timed_out(self) -> None:
+        if self.phase == "setup":
+            self._stop(f"the grader did not start within {SETUP_LIMIT:g} s; the grading process was stopped")
+        elif self.phase == "import":
+            self._stop(f"importing {self.file_name} did not finish within {self.import_limit:g} s (an endless "
+                       "loop or a long computation at import time?); the grading process was stopped")
+        elif self.phase == "scenario":
+            self._record(False, f"still running after {self.step_limit:g} s: the code under test did not stop "
+                                f"when its {self.scenario_limit:g} s were up (it catches the timeout, or never "
+                                "returns to Python); the grading process was killed, so the scenarios after "
+                                "this one did not run")
+            self._stop(f"grading stopped in scenario {self.current!r}: it ran past its time limit")
+        else:
+            self._stop(f"the grader made no progress for {self.step_limit:g} s after scenario {self.current!r}; "
+                       "the grading process was stopped")
+
+    def _ended(self) -> None:
+        try:
+            how = _signal_name(self.child.wait(timeout=5))
+        except subprocess.TimeoutExpired:
+            how = _signal_name(None)
+        if self.phase == "setup":
+            self._stop(f"the grader failed to start ({how}) before {self.file_name} was imported: see its output")
+        elif self.phase == "import":
+            self._stop(f"the grading process ended while importing {self.file_name} ({how}): a file to grade "
+                       "must not exit (sys.exit, os._exit) or crash when it is imported")
+        elif self.phase == "scenario":
+            self._record(False, f"the grading process ended during this scenario ({how}): graded code must "
+                                "return, not exit (os._exit) or crash")
+            self._stop(f"grading stopped in scenario {self.current!r}: the scenarios after it did not run")
+        else:
+            self._stop(f"the grading process ended before the grader finished ({how}, after scenario "
+                       f"{self.current!r}): graded code must not exit or crash")
+
+    def _handle(self, line: bytes) -> bool:
+        """Act on one message; True when the grading is over."""
+        try:
+            message = json.loads(line)
+            genuine = isinstance(message, dict) and message.pop("token", None) == self.token
+        except ValueError:
+            genuine = False
+        if not genuine:
+            return self._stop("the grading channel received a message the grader did not send (does the "
+                              "graded code write to file descriptors it did not open?); the grading process "
+                              "was stopped")
+        event, now, phase = message.get("event"), time.monotonic(), self.phase
+        if event == "ready" and phase == "setup":
+            self.phase, self.deadline = "import", now + self.import_limit
+        elif event == "imported" and phase == "import":
+            self.phase, self.deadline = "between", now + self.step_limit
+        elif event == "start" and phase == "between":
+            self.phase, self.current, self.started_at = "scenario", message["scenario"], now
+            self.deadline = now + self.step_limit
+        elif event == "end" and phase == "scenario" and message["scenario"] == self.current:
+            self._record(message["failure"] is None, message["failure"], message["seconds"])
+            self.phase, self.deadline = "between", now + self.step_limit
+        elif event == "done" and phase == "between":
+            self.report.notes = list(message["notes"])
+            if message["scenarios"] != len(self.report.records):
+                return self._stop(f"the grader reported {message['scenarios']} scenarios, the channel "
+                                  f"{len(self.report.records)}")
+            self.report.finished = True
+            return True
+        elif event == "tampered" and phase == "scenario":
+            self._record(False, message["message"])
+            return self._stop(f"grading stopped in scenario {self.current!r}: the graded code changed the grader")
+        elif event in ("import_failed", "missing", "tampered", "grader_error", "stopped"):
+            return self._stop(message["message"])
+        else:
+            return self._stop(f"the grading channel received {event!r} out of order (while {phase}); the "
+                              "grading process was stopped")
+        return False
 
 
 # ---------------------------------------------------------------- the child
