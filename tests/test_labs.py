@@ -97,18 +97,6 @@ def test_the_wrong_implementations_of_issue_18_fail_in_their_scenario(name, muta
     assert failure is not None and what in failure, report.failures
 
 
-def test_cpu_pool_accepts_any_release_order():
-    from course_pkg.swap import CpuBlockPool
-
-    class ReleaseToHead(CpuBlockPool):               # right: CPU blocks hold no cache
-        def release(self, seq_id):
-            block_ids, _ = self.swapped.pop(seq_id)
-            self.free_block_ids.extendleft(block_ids)
-
-    report = LABS["cpu_pool"].grade(ReleaseToHead)
-    assert report.passed, str(report)
-
-
 # ------------------------------------------------------------------ correct solutions, written independently
 
 class ScratchScheduler(Scheduler):

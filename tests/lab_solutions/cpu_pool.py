@@ -1,7 +1,8 @@
 """A correct solution of lab `cpu_pool`, written from the chapter's explanation, not from the package's code.
 
 It hands out the most recently freed CPU blocks first (a stack, not the package's FIFO): CPU blocks
-hold no cache, so the order does not matter, and the grader accepts it.
+hold no cache, so the order does not matter, and the grader accepts it (this test is what
+holds the lab to that: tests/test_labs.py grades this file).
 
 Grade it like a student's file: ``python -m course_pkg.labs cpu_pool tests/lab_solutions/cpu_pool.py``.
 """
