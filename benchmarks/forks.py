@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from course_pkg import LLM, SamplingParams  # noqa: E402
-from course_pkg.engine.watch import watch_beam_search, watch_generate  # noqa: E402
+from course_pkg.workloads.watch import watch_beam_search, watch_generate  # noqa: E402
 from course_pkg.models import build_random_checkpoint  # noqa: E402
 from course_pkg.sampling_params import BeamSearchParams  # noqa: E402
 

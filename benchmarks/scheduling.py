@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from course_pkg import LLM  # noqa: E402
-from course_pkg.engine.swap_cost import crossover, measure_swap_vs_recompute  # noqa: E402
+from course_pkg.workloads.swap_cost import crossover, measure_swap_vs_recompute  # noqa: E402
 from course_pkg.models import build_random_checkpoint, load_model  # noqa: E402
 from course_pkg.workloads.arrivals import poisson_trace, serve  # noqa: E402
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from course_pkg.engine.swap_cost import measure_swap_vs_recompute  # noqa: E402
+from course_pkg.workloads.swap_cost import measure_swap_vs_recompute  # noqa: E402
 from course_pkg.models import build_random_checkpoint  # noqa: E402
 from scheduling import print_swap_rows  # noqa: E402
 

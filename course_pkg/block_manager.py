@@ -13,6 +13,10 @@ Invariants (tested after every call): free and used partition all blocks; a bloc
 the free queue at most once; the sum of ref counts equals the number of block-table
 entries of live sequences; every index entry points at a block that carries that hash.
 
+During an engine step ``undo_log`` is the step's ``UndoLog`` (course_pkg.undo): every change
+below records its inverse there, so a failed step can be undone exactly. Outside a step it is
+None and nothing is recorded.
+
 Two guards sit beside the four structures and change no decision of a correct program:
 ``_holders`` (the sequences this manager allocated, so ``deallocate`` can refuse any other)
 and ``_prefix_ids`` (exact names for the token prefixes that registered blocks end, so a
@@ -31,12 +35,14 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
+from contextlib import contextmanager
 
 import xxhash
 
 from course_pkg.block import Block
 from course_pkg.free_block_queue import FreeBlockQueue
 from course_pkg.sequence import Sequence
+from course_pkg.undo import UndoLog
 from course_pkg.validation import check_bool, check_choice, check_positive_int, is_int
 
 FREE_QUEUES = ("deque", "linked")
@@ -90,27 +96,48 @@ class PrefixCacheStats:
         self._recent_queries = 0
         self._recent_hits = 0
 
-    def record(self, queries: int, hits: int, preempted: bool = False) -> None:
+    def record(self, queries: int, hits: int, preempted: bool = False) -> tuple[int, int] | None:
         """Count one admission that asked for ``queries`` tokens and found ``hits`` of them.
 
         ``preempted``: the request was preempted before (this is a readmission); it is
-        counted in the ``preempted_*`` fields only.
+        counted in the ``preempted_*`` fields only. Returns the admission that fell out of the
+        recent window, if one did (``unrecord`` needs it).
         """
         if preempted:
             self.preempted_requests += 1
             self.preempted_queries += queries
             self.preempted_hits += hits
-            return
+            return None
+        dropped = None
         if len(self.recent) == self.max_recent_requests:
-            old_queries, old_hits = self.recent[0]  # about to fall out of the window
-            self._recent_queries -= old_queries
-            self._recent_hits -= old_hits
+            dropped = self.recent[0]  # about to fall out of the window
+            self._recent_queries -= dropped[0]
+            self._recent_hits -= dropped[1]
         self.recent.append((queries, hits))
         self._recent_queries += queries
         self._recent_hits += hits
         self.requests += 1
         self.queries += queries
         self.hits += hits
+        return dropped
+
+    def unrecord(self, queries: int, hits: int, preempted: bool, dropped: tuple[int, int] | None) -> None:
+        """Take back the latest ``record`` (an undone step's admission)."""
+        if preempted:
+            self.preempted_requests -= 1
+            self.preempted_queries -= queries
+            self.preempted_hits -= hits
+            return
+        self.requests -= 1
+        self.queries -= queries
+        self.hits -= hits
+        self.recent.pop()
+        self._recent_queries -= queries
+        self._recent_hits -= hits
+        if dropped is not None:
+            self.recent.appendleft(dropped)
+            self._recent_queries += dropped[0]
+            self._recent_hits += dropped[1]
 
     @property
     def hit_rate(self) -> float:
@@ -148,8 +175,9 @@ class BlockManager:
         # The guards (see the module docstring): seq_id -> the Sequence object that holds
         # blocks; (parent prefix id, block tokens) -> [prefix id, blocks carrying it].
         self._holders: dict[int, Sequence] = {}
-        self._prefix_ids: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+        self._prefix_ids: dict[tuple[int, tuple[int, ...]], tuple[int, int]] = {}
         self._next_prefix_id = 0
+        self.undo_log: UndoLog | None = None   # the running step's, if any (see the module docstring)
 
     # The hash function is reachable from the manager, as in Nano-vLLM.
     compute_hash = staticmethod(compute_hash)
@@ -216,25 +244,40 @@ class BlockManager:
 
         A dict lookup compares keys by equality after their hash matches, so unlike
         ``hash_to_block_id`` this cannot mistake one prefix for another. Ids are never reused;
-        an entry lives while some block carries that prefix.
+        an entry ``(id, blocks carrying it)`` lives while some block carries that prefix.
         """
         key = (parent_prefix_id, tuple(token_ids))
-        entry = self._prefix_ids.get(key)
-        if entry is None:
-            entry = self._prefix_ids[key] = [self._next_prefix_id, 0]
-            self._next_prefix_id += 1
-        entry[1] += 1
-        return entry[0]
+        prefix_id, carriers = self._prefix_ids.get(key, (self._next_prefix_id, 0))
+        if prefix_id == self._next_prefix_id:
+            self._set_next_prefix_id(prefix_id + 1)
+        self._set_prefix_entry(key, (prefix_id, carriers + 1))
+        return prefix_id
 
     def _forget_prefix_id(self, block: Block) -> None:
         """``block`` is about to lose its content: one block fewer carries its prefix."""
         if block.prefix_id == -1:
             return
         key = (block.parent_prefix_id, tuple(block.token_ids))
-        entry = self._prefix_ids[key]
-        entry[1] -= 1
-        if entry[1] == 0:
+        prefix_id, carriers = self._prefix_ids[key]
+        self._set_prefix_entry(key, (prefix_id, carriers - 1) if carriers > 1 else None)
+
+    def _set_prefix_entry(self, key, entry) -> None:
+        log = self.undo_log
+        if log is not None:
+            log.record(lambda old=self._prefix_ids.get(key): self._put_prefix_entry(key, old))
+        self._put_prefix_entry(key, entry)
+
+    def _put_prefix_entry(self, key, entry) -> None:
+        if entry is None:
             del self._prefix_ids[key]
+        else:
+            self._prefix_ids[key] = entry
+
+    def _set_next_prefix_id(self, value: int) -> None:
+        if self.undo_log is not None:
+            self.undo_log.setattr(self, "_next_prefix_id", value)
+        else:
+            self._next_prefix_id = value
 
     def _num_new_blocks(self, seq: Sequence, hit_block_ids: list[int]) -> int:
         """Free blocks an allocation takes: fresh blocks plus cache hits revived from the free queue."""
@@ -244,11 +287,57 @@ class BlockManager:
     def _allocate_block(self) -> Block:
         """Take the block at the head of the free queue for new content."""
         block = self.blocks[self.free_block_ids.popleft()]
+        log = self.undo_log
+        if log is not None:
+            log.record(lambda: self._undo_allocate_block(block))
+            log.new_blocks.append(block.block_id)
         self._maybe_evict_cached_block(block)
         self._forget_prefix_id(block)
+        self._save(block)
         block.reset()
         self.used_block_ids.add(block.block_id)
         return block
+
+    def _undo_allocate_block(self, block: Block) -> None:
+        """Put a block taken by an undone step back at the head of the free queue (its
+        before-image and index entry were restored by the newer log entries already)."""
+        self.used_block_ids.discard(block.block_id)
+        self.free_block_ids.appendleft(block.block_id)
+
+    @contextmanager
+    def transaction(self):
+        """``with bm.transaction() as log:`` -- the calls inside are undone together if one raises
+        (the engine's step opens its own log over more than the manager: ``Scheduler.schedule``)."""
+        if self.undo_log is not None:
+            raise RuntimeError("a transaction is open on this BlockManager already")
+        log = self.undo_log = UndoLog()
+        try:
+            yield log
+        except BaseException:
+            log.rollback()
+            self.undo_log = None
+            self.forget_overwritten(log)
+            raise
+        finally:
+            self.undo_log = None
+
+    def forget_overwritten(self, log: UndoLog) -> set[int]:
+        """After ``log``'s step was rolled back: if it wrote K/V, the blocks it took for new
+        content (``log.new_blocks``) lost what they held. Drop their prefix-cache entries, so no
+        later request hits overwritten K/V; return those that a sequence holds again (its K/V
+        are gone from that block on: it must be recomputed)."""
+        if not log.kv_written:
+            return set()
+        held = set()
+        for block_id in dict.fromkeys(log.new_blocks):
+            block = self.blocks[block_id]
+            if block.hash != -1:
+                self._maybe_evict_cached_block(block)
+                self._forget_prefix_id(block)
+                block.update(-1, [], -1, -1)
+            if block.ref_count > 0:
+                held.add(block_id)
+        return held
 
     def _maybe_evict_cached_block(self, block: Block) -> None:
         """Drop the index entry of a free block about to get new content (the stale-entry guard).
@@ -257,12 +346,82 @@ class BlockManager:
         and that entry is still good.
         """
         if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block.block_id:
-            del self.hash_to_block_id[block.hash]
+            self._del_index_entry(block.hash)
 
     def _deallocate_block(self, block: Block) -> None:
         # Hash and tokens stay: a freed block remains a cache entry until it is reused.
         self.used_block_ids.remove(block.block_id)
         self.free_block_ids.append(block.block_id)
+        log = self.undo_log
+        if log is not None:
+            log.record(lambda: self._undo_deallocate_block(block))
+
+    def _undo_deallocate_block(self, block: Block) -> None:
+        # The undone release was the newest entry of the free queue: it sits at the tail.
+        self.free_block_ids.pop()
+        self.used_block_ids.add(block.block_id)
+
+    def _revive_block(self, block: Block) -> None:
+        """A prefix hit on a free block still cached: take it out of the free queue, wherever it is."""
+        queue, block_id = self.free_block_ids, block.block_id
+        log = self.undo_log
+        if log is not None:   # the inverse puts it back right behind the block before it
+            if isinstance(queue, FreeBlockQueue):
+                log.record(lambda before=queue.before(block_id): self._undo_revive_block(block_id, before))
+            else:
+                log.record(lambda index=queue.index(block_id): self._undo_revive_block(block_id, index))
+        queue.remove(block_id)
+        self.used_block_ids.add(block_id)
+
+    def _undo_revive_block(self, block_id: int, place: int) -> None:
+        self.used_block_ids.remove(block_id)
+        if isinstance(self.free_block_ids, FreeBlockQueue):
+            self.free_block_ids.insert_after(place, block_id)
+        else:
+            self.free_block_ids.insert(place, block_id)
+
+    # The undo log's view of the other structures: each change records its inverse first.
+
+    def _save(self, obj: Block | Sequence) -> None:
+        """Record the before-image of a block, or of a sequence's block bookkeeping."""
+        log = self.undo_log
+        if log is None:
+            return
+        if isinstance(obj, Block):
+            log.save(obj, "ref_count", "hash", "token_ids", "prefix_id", "parent_prefix_id")
+        else:
+            log.save(obj, "block_table", "block_hashes", "num_cached_tokens")
+
+    def _set_index_entry(self, h: int, block_id: int) -> None:
+        if self.undo_log is not None:
+            self.undo_log.setitem(self.hash_to_block_id, h, block_id)
+        else:
+            self.hash_to_block_id[h] = block_id
+
+    def _del_index_entry(self, h: int) -> None:
+        if self.undo_log is not None:
+            self.undo_log.delitem(self.hash_to_block_id, h)
+        else:
+            del self.hash_to_block_id[h]
+
+    def _set_holder(self, seq: Sequence, holds: bool) -> None:
+        log = self.undo_log
+        if holds:
+            self._holders[seq.seq_id] = seq
+            if log is not None:
+                log.record(lambda: self._holders.pop(seq.seq_id))
+        else:
+            del self._holders[seq.seq_id]
+            if log is not None:
+                log.record(lambda: self._holders.__setitem__(seq.seq_id, seq))
+
+    def _record_admission(self, seq: Sequence) -> None:
+        """Count the prefix-cache query and hits of ``seq``'s admission."""
+        stats, preempted = self.prefix_cache_stats, seq.num_preemptions > 0
+        queries, hits = seq.num_tokens, seq.num_cached_tokens
+        dropped = stats.record(queries, hits, preempted=preempted)
+        if self.undo_log is not None:
+            self.undo_log.record(lambda: stats.unrecord(queries, hits, preempted, dropped))
 
     def _check_holder(self, seq: Sequence) -> None:
         """Refuse a sequence that does not hold blocks of this manager right now."""
@@ -310,21 +469,22 @@ class BlockManager:
         if needed > len(self.free_block_ids):
             raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {needed} free blocks, "
                                     f"{_free(len(self.free_block_ids))}")
+        self._save(seq)
+        self._set_holder(seq, True)
         # Cached blocks first: a free one is taken out of the free queue before any fresh
         # block is popped, so the same allocation can never hand it out twice.
         for block_id in hit_block_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:  # free but still cached: revive it
-                self.free_block_ids.remove(block_id)
-                self.used_block_ids.add(block_id)
+                self._revive_block(block)
+            self._save(block)
             block.ref_count += 1
             seq.block_table.append(block_id)
         for _ in range(seq.num_blocks - num_cached_blocks):
             seq.block_table.append(self._allocate_block().block_id)
-        seq.block_hashes = hashes[:num_cached_blocks]
+        seq.block_hashes[:] = hashes[:num_cached_blocks]
         seq.num_cached_tokens = num_cached_blocks * self.block_size
-        self._holders[seq.seq_id] = seq
-        self.prefix_cache_stats.record(seq.num_tokens, seq.num_cached_tokens, preempted=seq.num_preemptions > 0)
+        self._record_admission(seq)
 
     def can_append(self, seq: Sequence) -> bool:
         """Can ``seq`` get the blocks its newest token needs? (True when it needs none.)"""
@@ -352,9 +512,12 @@ class BlockManager:
         if needed > len(self.free_block_ids):
             raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {needed} free block(s), "
                                     f"{_free(len(self.free_block_ids))}")
+        if needed:
+            self._save(seq)
         if self._needs_copy_on_write(seq):
             shared = self.blocks[seq.block_table[-1]]
             copy = self._allocate_block()
+            self._save(shared)
             shared.ref_count -= 1           # still >= 1: the other sharers keep it
             seq.block_table[-1] = copy.block_id
             return [(shared.block_id, copy.block_id)]
@@ -376,11 +539,14 @@ class BlockManager:
         if child.token_ids != parent.token_ids or child.num_cached_tokens != parent.num_cached_tokens:
             raise ValueError(f"sequence {child.seq_id} is not a copy of sequence {parent.seq_id} "
                              "(tokens or cached tokens differ); make it with parent.fork(index)")
+        self._save(child)
+        self._set_holder(child, True)
         for block_id in parent.block_table:
-            self.blocks[block_id].ref_count += 1
-        child.block_table = list(parent.block_table)
-        child.block_hashes = list(parent.block_hashes)
-        self._holders[child.seq_id] = child
+            block = self.blocks[block_id]
+            self._save(block)
+            block.ref_count += 1
+        child.block_table[:] = parent.block_table
+        child.block_hashes[:] = parent.block_hashes
 
     def deallocate(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, last block first.
@@ -390,12 +556,14 @@ class BlockManager:
         request -- is the last to be overwritten: the free queue acts as an LRU.
         """
         self._check_holder(seq)
+        self._save(seq)
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
+            self._save(block)
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._deallocate_block(block)
-        del self._holders[seq.seq_id]
+        self._set_holder(seq, False)
         seq.block_table.clear()
         seq.block_hashes.clear()
         seq.num_cached_tokens = 0
@@ -419,7 +587,12 @@ class BlockManager:
         self._check_holder(seq)
         if num_computed_tokens is None:
             num_computed_tokens = seq.num_cached_tokens
+        elif not is_int(num_computed_tokens) or not 0 <= num_computed_tokens <= seq.num_tokens:
+            raise ValueError(f"num_computed_tokens={num_computed_tokens!r}: sequence {seq.seq_id} has "
+                             f"{seq.num_tokens} tokens, so between 0 and {seq.num_tokens} can be computed")
         num_full = min(num_computed_tokens // self.block_size, len(seq.block_table))
+        if num_full > len(seq.block_hashes):
+            self._save(seq)
         h = seq.block_hashes[-1] if seq.block_hashes else -1
         for i in range(len(seq.block_hashes), num_full):
             token_ids = seq.block(i)
@@ -429,8 +602,9 @@ class BlockManager:
                 seq.block_hashes.append(h)
                 continue
             parent_prefix_id = self.blocks[seq.block_table[i - 1]].prefix_id if i else -1
+            self._save(block)
             block.update(h, token_ids, self._prefix_id_for(parent_prefix_id, token_ids), parent_prefix_id)
-            self.hash_to_block_id[h] = block.block_id
+            self._set_index_entry(h, block.block_id)
             seq.block_hashes.append(h)
 
     # ---------------------------------------------------------------- swapping (chapter 09)
@@ -453,17 +627,8 @@ class BlockManager:
         if seq.num_blocks > len(self.free_block_ids):
             raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {seq.num_blocks} free blocks to swap in, "
                                     f"{len(self.free_block_ids)} are free")
+        self._save(seq)
+        self._set_holder(seq, True)
         for _ in range(seq.num_blocks):
             seq.block_table.append(self._allocate_block().block_id)
-        seq.block_hashes = []
-        self._holders[seq.seq_id] = seq
-
-    def unregister_block(self, block_id: int) -> None:
-        """Withdraw a block's registration: its K/V were never written (a failed step that had
-        registered it when it was scheduled). The holder keeps the block, unregistered."""
-        block = self.blocks[block_id]
-        if block.hash == -1:
-            return
-        self._maybe_evict_cached_block(block)
-        self._forget_prefix_id(block)
-        block.update(-1, [], -1, -1)
+        seq.block_hashes.clear()

@@ -117,6 +117,39 @@ class FreeBlockQueue:
             raise ValueError(f"block {block_id} is not in the free queue")
         self._unlink(block_id)
 
+    # The inverses an undone step needs (course_pkg.undo): put a block back where it was.
+
+    def appendleft(self, block_id: int) -> None:
+        """Put ``block_id`` at the head (the inverse of ``popleft``)."""
+        self.insert_after(_NONE, block_id)
+
+    def pop(self) -> int:
+        """Remove and return the block at the tail (the inverse of ``append``)."""
+        if self._len == 0:
+            raise IndexError("pop from an empty FreeBlockQueue")
+        block_id = self._prev[self._tail]
+        self._unlink(block_id)
+        return block_id
+
+    def before(self, block_id: int) -> int:
+        """The block just ahead of ``block_id`` in the queue, or -1 if it is at the head."""
+        before = self._prev[block_id]
+        return _NONE if before == self._head else before
+
+    def insert_after(self, before: int, block_id: int) -> None:
+        """Put ``block_id`` right behind block ``before`` (-1: at the head; the inverse of ``remove``)."""
+        self._check_id(block_id)
+        if self._prev[block_id] != _NONE:
+            raise ValueError(f"block {block_id} is already in the free queue")
+        if before == _NONE:
+            before = self._head
+        after = self._next[before]
+        self._next[before] = block_id
+        self._prev[block_id] = before
+        self._next[block_id] = after
+        self._prev[after] = block_id
+        self._len += 1
+
     def _unlink(self, block_id: int) -> None:
         before, after = self._prev[block_id], self._next[block_id]
         self._next[before] = after

@@ -60,4 +60,6 @@ class BeamSearchParams:
         check_bool("ignore_eos", self.ignore_eos)
         if check_real("temperature", self.temperature, minimum=0.0) != 0.0:
             raise ValueError(f"beam search here is deterministic: temperature must be 0, got {self.temperature!r}")
-        check_real("length_penalty", self.length_penalty)
+        # |length_penalty| <= 10 keeps generated_length ** length_penalty a finite float for
+        # any length (4096 ** 10 is about 1e36): beyond it the ranking overflows.
+        check_real("length_penalty", self.length_penalty, minimum=-10.0, maximum=10.0)

@@ -1,63 +1,48 @@
 """The Scheduler: which sequences run in the next step, and how many tokens each (chapter 06).
 
-Two queues hold every live request: ``waiting`` (not yet prefilled, or preempted) and
-``running`` (prompt done, decoding one token per step). Each call to ``schedule`` builds one
-step -- one forward pass of the model over a batch of sequences -- which is either
+Two queues hold every live request: ``waiting`` (prompt tokens still to compute: new,
+preempted or swapped requests, and a prompt chunked by the last step) and ``running``
+(prompt done, decoding one token per step). One step is a conversation of two calls, as in
+vLLM v1::
 
-* a **prefill step**: sequences from the head of ``waiting``, each computing the tokens its
-  prefix-cache hit did not cover, up to ``max_num_batched_tokens`` tokens in all. A prompt
-  that does not fit in what is left of the budget is *chunked*: it computes what fits, keeps
-  its blocks and its place at the head of ``waiting``, and continues in the next step; or
-* a **decode step**: every running sequence computes its newest token. A sequence whose new
-  token starts a block it cannot get *preempts* the most recently admitted running sequence:
-  the victim releases its blocks and goes back to the head of ``waiting``, to be recomputed
-  (its prompt plus what it generated so far) when blocks are free again.
+    out = scheduler.schedule()                    # a SchedulerOutput: what this step does
+    ... the model runner performs ``out`` ...       # copies, forward pass, sampling
+    finished = scheduler.update_from_output(out, model_runner_output)
 
-Prefill has priority (as in Nano-vLLM): new requests join the batch as soon as blocks allow,
-which is what *continuous batching* means -- the batch changes at every step, not once per
-batch of requests.
+``schedule`` decides everything the step will do and returns it as one frozen value: the
+sequences and their token counts, the preemptions, the block copies, the forks, the
+registrations. Nothing else is read from the scheduler in between. ``update_from_output``
+records the results: the tokens computed are cached now, sampled tokens are appended, the
+sequences that finished release their blocks.
 
-After the model has run, ``postprocess`` advances ``seq.num_cached_tokens`` by the tokens the
-step computed and calls ``hash_blocks``, so only blocks whose K/V exist are ever offered as
-prefix-cache hits. Like the BlockManager it works on numbers only and imports no torch.
+A step is a transaction (``course_pkg.undo``). ``schedule`` opens an undo log that every
+change of the step records its inverse in -- in the queues, the block manager, the CPU pool,
+the sequences, and (through the engine) the sampler's random generators -- and
+``update_from_output`` commits it. If anything raises in between, ``unschedule`` (or the
+failing call itself) plays the log backwards: the scheduler is exactly as before the step,
+and the same step can be scheduled again.
 
-Chapter 09 adds three options, each off by default so that chapter 06's lesson stays as it is:
-
-* ``scheduling="mixed"`` (vLLM v1's policy): every step first gives each running sequence its
-  decode token, then fills the rest of the token budget with prompt chunks, so one forward
-  pass holds decodes and prefill chunks and no prefill stalls the running sequences;
-* ``preemption_mode="swap"`` with ``num_cpu_blocks`` (vLLM v0's names): a victim's blocks are
-  copied to a CPU block pool (``course_pkg.swap``) and copied back when it is readmitted,
-  instead of being recomputed. ``schedule()`` lists the copies of its step in
-  ``blocks_to_swap_out`` / ``blocks_to_swap_in`` as ``(src, dst)`` block-id pairs; whoever
-  owns the KV tensors performs them before the forward pass: swap-outs first, then the
-  copy-on-write copies, then swap-ins (every read of a block before a write into it);
-* ``same_step_prefix_hits=True``: a block is registered when it is scheduled to be filled, not
-  after the step (see ``BlockManager.hash_blocks`` for why that is safe).
+Which prompts and decodes share a step is the *admission policy* (``scheduling``), what a
+preempted sequence gives up is the *preemption policy* (``preemption_mode``); both are small
+objects in ``course_pkg.policies``. Like the BlockManager, the Scheduler works on numbers
+only and imports no torch.
 """
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from course_pkg.block_manager import BlockManager
-from course_pkg.sequence import Sequence, SequenceStatus
+from course_pkg.policies import (ADMISSION_POLICIES, PREEMPTION_POLICIES, AdmissionPolicy, PreemptionPolicy,
+                                 make_admission_policy, make_preemption_policy)
+from course_pkg.sequence import Sequence, SequenceStatus, check_transition
 from course_pkg.swap import CpuBlockPool
-from course_pkg.validation import check_bool, check_choice, check_int, check_positive_int, check_token_ids, is_int
+from course_pkg.undo import UndoLog
+from course_pkg.validation import check_bool, check_int, check_positive_int, check_token_ids, is_int
 
-SCHEDULING_POLICIES = ("prefill_first", "mixed")
-PREEMPTION_MODES = ("recompute", "swap")
-
-
-def check_preemption(preemption_mode, num_cpu_blocks) -> None:
-    """Raise ``ValueError`` unless the preemption settings make sense together."""
-    check_choice("preemption_mode", preemption_mode, PREEMPTION_MODES)
-    if num_cpu_blocks is not None:
-        check_int("num_cpu_blocks", num_cpu_blocks, minimum=0)
-    if preemption_mode == "swap" and not num_cpu_blocks:
-        raise ValueError(f"preemption_mode='swap' needs a CPU block pool to swap to, but num_cpu_blocks="
-                         f"{num_cpu_blocks!r}; pass num_cpu_blocks >= 1, or use preemption_mode='recompute'")
+SCHEDULING_POLICIES = tuple(ADMISSION_POLICIES)
+PREEMPTION_MODES = tuple(PREEMPTION_POLICIES)
 
 
 @dataclass
@@ -82,21 +67,72 @@ class SchedulerStats:
     num_swap_fallbacks: int = 0     # swap preemptions recomputed instead: the CPU pool was full
 
 
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """Everything one step does, decided by ``Scheduler.schedule`` (vLLM v1's name).
+
+    Per scheduled sequence, in batch order: the tokens already computed
+    (``num_computed_tokens``), the tokens this step computes (``num_scheduled_tokens``: tokens
+    ``[computed, computed + scheduled)``), and how many tokens the step samples for it
+    (``num_samples``): 0 for a chunk in the middle of a prompt, 1 normally, ``n`` when a
+    request of ``n`` completions samples its first tokens -- the sequence then forks into
+    ``n``. The block copies are ``(src, dst)`` block ids, to be made before the forward pass
+    in this order: swap-outs (device to CPU), copy-on-write, swap-ins (CPU to device), so
+    every read of a block comes before any write into it. ``registered_blocks`` are the blocks
+    registered in the prefix index when scheduled (``same_step_prefix_hits``).
+    """
+
+    step: int
+    seqs: tuple[Sequence, ...]
+    num_computed_tokens: tuple[int, ...]
+    num_scheduled_tokens: tuple[int, ...]
+    num_samples: tuple[int, ...]
+    is_prefill: bool
+    preempted: tuple[Sequence, ...] = ()
+    blocks_to_swap_out: tuple[tuple[int, int], ...] = ()
+    blocks_to_copy: tuple[tuple[int, int], ...] = ()
+    blocks_to_swap_in: tuple[tuple[int, int], ...] = ()
+    registered_blocks: tuple[int, ...] = ()
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def forks(self) -> tuple[tuple[Sequence, int], ...]:
+        """``(sequence, n)`` for every sequence that forks into ``n`` completions in this step."""
+        return tuple((s, n) for s, n in zip(self.seqs, self.num_samples) if n > 1)
+
+
+@dataclass
+class StepPlan:
+    """The step being built inside ``schedule``; frozen into a ``SchedulerOutput`` at the end."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_prompt_seqs: int = 0
+    num_decode_seqs: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    registered_blocks: list[int] = field(default_factory=list)
+
+
 class Scheduler:
     """Continuous batching over one BlockManager: admission, chunked prefill, preemption.
 
     The Scheduler owns every request's fate: it alone moves a sequence between ``waiting``
-    and ``running``, decides when and why it finished (``SequenceStatus.FINISHED_*``), and
-    aborts it. Each call leaves the queues and the block manager consistent even when it
-    raises part-way (the order of the updates is chosen for that; see ``postprocess``).
+    and ``running``, sets its status (one checked transition, ``sequence.check_transition``),
+    decides when and why it finished, and aborts it.
     """
 
     def __init__(self, num_kvcache_blocks: int, block_size: int = 16, *,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 eos_token_id: int | Iterable[int] | None = None, free_queue: str = "deque",
-                 block_manager: BlockManager | None = None, scheduling: str = "prefill_first",
-                 preemption_mode: str = "recompute", num_cpu_blocks: int | None = None,
+                 eos_token_id: int | Iterable[int] | None = None, free_queue: str = "linked",
+                 block_manager: BlockManager | None = None,
+                 scheduling: str | AdmissionPolicy = "prefill_first",
+                 preemption_mode: str | PreemptionPolicy = "recompute", num_cpu_blocks: int | None = None,
                  same_step_prefix_hits: bool = False):
         """``block_manager``: an existing manager to schedule over (e.g. a course foil such as
         ``foils.ForwardReleaseBlockManager``), instead of a new ``BlockManager`` built from
@@ -104,11 +140,12 @@ class Scheduler:
         Its pool size and block size must equal ``num_kvcache_blocks`` and ``block_size``;
         prefix caching and the free queue are then the given manager's own.
 
-        ``scheduling``, ``preemption_mode``, ``num_cpu_blocks`` and ``same_step_prefix_hits``:
-        chapter 09's options (see the module docstring).
+        ``scheduling`` and ``preemption_mode`` name a policy of ``course_pkg.policies`` (or
+        are one); ``num_cpu_blocks`` sizes the CPU pool of ``preemption_mode="swap"``;
+        ``same_step_prefix_hits`` registers blocks when they are scheduled (chapter 09).
         """
-        check_choice("scheduling", scheduling, SCHEDULING_POLICIES)
-        check_preemption(preemption_mode, num_cpu_blocks)
+        self.admission = make_admission_policy(scheduling)
+        self.preemption = make_preemption_policy(preemption_mode, num_cpu_blocks)
         check_bool("same_step_prefix_hits", same_step_prefix_hits)
         check_positive_int("max_num_seqs", max_num_seqs)
         check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
@@ -121,6 +158,8 @@ class Scheduler:
         elif (block_manager.num_blocks, block_manager.block_size) != (num_kvcache_blocks, block_size):
             raise ValueError(f"block_manager has {block_manager.num_blocks} blocks of {block_manager.block_size} "
                              f"tokens, but num_kvcache_blocks={num_kvcache_blocks!r} and block_size={block_size!r}")
+        if same_step_prefix_hits and not block_manager.enable_prefix_caching:
+            raise ValueError("same_step_prefix_hits=True needs prefix caching: enable_prefix_caching is False")
         self.block_manager = block_manager
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -135,23 +174,19 @@ class Scheduler:
         self.eos_token_ids: frozenset[int] = frozenset(check_token_ids("eos_token_id", eos))
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
-        self.preempted: list[Sequence] = []  # sent back to waiting by the latest schedule()
-        self.finished: list[Sequence] = []   # finished, not yet handed over by postprocess()
-        # Copy-on-write copies (src, dst) that the K/V owner must make before the next forward
-        # pass (vLLM's blocks_to_copy). Kept until a step is recorded, so a failed step's
-        # copies are made again.
-        self.blocks_to_copy: list[tuple[int, int]] = []
         self.stats = SchedulerStats()
-        self.scheduling = scheduling
-        self.preemption_mode = preemption_mode
         self.same_step_prefix_hits = same_step_prefix_hits
-        self.cpu_pool: CpuBlockPool | None = CpuBlockPool(num_cpu_blocks) if preemption_mode == "swap" else None
-        # The latest schedule()'s copies, (src, dst) block ids: device -> CPU, then CPU -> device.
-        self.blocks_to_swap_out: list[tuple[int, int]] = []
-        self.blocks_to_swap_in: list[tuple[int, int]] = []
-        self._swapped_out_now: list[Sequence] = []   # this step's swap-outs and swap-ins
-        self._swapped_in_now: list[Sequence] = []
-        self._registered_now: set[int] = set()        # blocks registered when scheduled this step
+        self.cpu_pool: CpuBlockPool | None = self.preemption.make_cpu_pool()
+        self.num_steps = 0
+        self.undo_log: UndoLog | None = None   # open from schedule() until the step is recorded or undone
+
+    @property
+    def scheduling(self) -> str:
+        return self.admission.name
+
+    @property
+    def preemption_mode(self) -> str:
+        return self.preemption.name
 
     # ---------------------------------------------------------------- requests
 
@@ -180,6 +215,7 @@ class Scheduler:
             self.check(seq)
         if len({id(s) for s in seqs}) != len(seqs):
             raise ValueError("the same sequence appears twice among the requests to add")
+        self._check_no_open_step("add a request")
         for seq in seqs:
             seq.submitted = True
             self.waiting.append(seq)
@@ -189,8 +225,9 @@ class Scheduler:
         """Raise ``ValueError`` if ``seq`` cannot be added; change nothing either way.
 
         A sequence that needs more blocks than the whole pool would preempt itself forever,
-        so it is refused here instead of looping in ``schedule``. A sequence is a request
-        submitted once: one already added (here or to another scheduler) is refused.
+        and one of ``n`` completions with ``n > max_num_seqs`` could never be admitted, so both
+        are refused here instead of looping in ``schedule``. A sequence is a request submitted
+        once: one already added (here or to another scheduler) is refused.
         """
         if not isinstance(seq, Sequence):
             raise TypeError(f"expected a Sequence, got {type(seq).__name__}")
@@ -206,9 +243,12 @@ class Scheduler:
             raise ValueError(f"prompt of sequence {seq.seq_id} has {seq.num_prompt_tokens} tokens; "
                              f"max_model_len={self.max_model_len} leaves no room to generate "
                              f"(the prompt must be shorter than max_model_len)")
+        n = seq.sampling_params.n
+        if n > self.max_num_seqs:
+            raise ValueError(f"sequence {seq.seq_id} asks for n={n} completions, but max_num_seqs="
+                             f"{self.max_num_seqs} sequences can run at once; use n <= max_num_seqs")
         needed = self.max_blocks_needed(seq)
         if needed > self.block_manager.num_blocks:
-            n = seq.sampling_params.n
             raise ValueError(
                 f"sequence {seq.seq_id} can never fit in the KV cache: its prompt ({seq.num_prompt_tokens} "
                 f"tokens) plus up to {seq.max_tokens} generated tokens"
@@ -218,406 +258,248 @@ class Scheduler:
                 + ("max_tokens or n" if n > 1 else "max_tokens"))
 
     def is_finished(self) -> bool:
-        """No request waits or runs (finished ones may still wait to be handed over)."""
+        """No request waits or runs."""
         return not self.waiting and not self.running
 
     def holds(self, seq: Sequence) -> bool:
-        """Is ``seq`` waiting, running, or finished but not handed over yet?"""
-        return any(s is seq for queue in (self.waiting, self.running, self.finished) for s in queue)
+        """Is ``seq`` waiting or running here?"""
+        return any(s is seq for queue in (self.waiting, self.running) for s in queue)
 
     def abort(self, seq: Sequence) -> None:
-        """Finish ``seq`` as FINISHED_ABORTED wherever it is, releasing its blocks first.
+        """Finish ``seq`` as FINISHED_ABORTED, releasing its blocks (a transaction of its own).
 
-        A request that already finished but was not handed over yet keeps its status; it is
-        released and dropped from ``finished``. Raises ``ValueError`` for a sequence this
-        scheduler does not hold.
+        Raises ``ValueError`` for a sequence this scheduler does not hold, and
+        ``RuntimeError`` while a step is open.
         """
         if not self.holds(seq):
             raise ValueError(f"sequence {seq.seq_id} is not held by this scheduler "
-                             f"(never added, or already finished and handed over)")
-        if seq.block_table:
-            self.block_manager.deallocate(seq)   # first: if it raises, nothing else changed
-        if self.cpu_pool is not None and seq.seq_id in self.cpu_pool:
-            self.cpu_pool.release(seq.seq_id)
-        seq.num_scheduled_tokens = 0
-        if seq.is_finished:
-            self.finished.remove(seq)
-            return
-        self._remove_from_queues(seq)
-        seq.status = SequenceStatus.FINISHED_ABORTED
-
-    def _remove_from_queues(self, seq: Sequence) -> None:
-        if seq.status == SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
+                             f"(never added, or already finished)")
+        self._check_no_open_step("abort a request")
+        log = self._open()
+        try:
+            if seq.block_table:
+                self.block_manager.deallocate(seq)
+            self.preemption.release(self, seq)
+            log.setattr(seq, "num_scheduled_tokens", 0)
+            log.remove(self.running if seq in self.running else self.waiting, seq)
+            self._set_status(seq, SequenceStatus.FINISHED_ABORTED)
+        except BaseException:
+            self._close(rollback=True)
+            raise
+        self._close()
 
     # ---------------------------------------------------------------- one step
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """Choose the sequences of the next step: ``(seqs, is_prefill)``.
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step and open its transaction; see ``SchedulerOutput``.
 
-        Each chosen sequence has ``num_scheduled_tokens`` set: it computes tokens
-        ``[num_cached_tokens, num_cached_tokens + num_scheduled_tokens)``. Sequences preempted
-        on the way are listed in ``self.preempted``. The batch is empty only when no request
-        waits or runs.
+        Each scheduled sequence also has ``num_scheduled_tokens`` set. The batch is empty only
+        when no request waits or runs. If this raises, nothing has changed.
         """
-        self.preempted = []
-        self._begin_step()
-        if self.scheduling == "mixed":
-            return self._schedule_mixed()
-        scheduled = self._schedule_prefill()
-        if scheduled:
-            self.stats.num_prefill_steps += 1
-            return scheduled, True
-        scheduled = self._schedule_decode()
-        if scheduled:
-            self.stats.num_decode_steps += 1
-            return scheduled, False
-        if not self.waiting:
-            return [], False  # nothing left to do
-        # The decode step preempted every running sequence, the last one by releasing its own
-        # blocks. (check() makes that impossible for this policy -- the oldest runner always
-        # fits once the others are gone -- but a changed policy or block manager may do it.)
-        # The pool is free again, so admission goes ahead in this same step.
-        scheduled = self._schedule_prefill()
-        if not scheduled:
-            raise RuntimeError(f"nothing could be scheduled although {len(self.waiting)} requests "
-                               "wait and none runs (check() admits only requests that fit in the pool)")
-        self.stats.num_prefill_steps += 1
-        return scheduled, True
+        self._check_no_open_step("schedule a new step")
+        self._open()
+        try:
+            plan = StepPlan()
+            self.admission.schedule(self, plan)
+            if not plan.seqs and self.waiting:
+                raise RuntimeError(f"nothing could be scheduled although {len(self.waiting)} requests "
+                                   "wait and none runs (check() admits only requests that fit in the pool)")
+            self._count_step(plan)
+            out = SchedulerOutput(
+                step=self.num_steps, seqs=tuple(plan.seqs),
+                num_computed_tokens=tuple(s.num_cached_tokens for s in plan.seqs),
+                num_scheduled_tokens=tuple(s.num_scheduled_tokens for s in plan.seqs),
+                num_samples=tuple(self._num_samples(s) for s in plan.seqs),
+                is_prefill=plan.num_prompt_seqs > 0, preempted=tuple(plan.preempted),
+                blocks_to_swap_out=tuple(plan.blocks_to_swap_out), blocks_to_copy=tuple(plan.blocks_to_copy),
+                blocks_to_swap_in=tuple(plan.blocks_to_swap_in), registered_blocks=tuple(plan.registered_blocks))
+        except BaseException:
+            self._close(rollback=True)
+            raise
+        return out
 
-    def _schedule_prefill(self) -> list[Sequence]:
-        bm = self.block_manager
-        scheduled: list[Sequence] = []
-        num_batched_tokens = 0
-        while self.waiting and num_batched_tokens < self.max_num_batched_tokens:
-            seq = self.waiting[0]
-            continuing = bool(seq.block_table)  # a chunked prompt from the last step
-            if not continuing:
-                # (admitted prompts are in running; a request of n completions takes n seats)
-                if len(self.running) + seq.num_samples > self.max_num_seqs:
-                    break
-                if not self._admit(seq):  # first come, first served: no overtaking
-                    break
+    def _schedule_prompts(self, plan: StepPlan, budget: int) -> int:
+        """Prompt tokens of waiting sequences, up to ``budget`` tokens, first come first served;
+        returns the tokens scheduled.
+
+        A prompt that does not fit in what is left of the budget is *chunked*: it computes what
+        fits, keeps its blocks and its place in ``waiting``, and continues in the next step. A
+        chunked prompt (status RUNNING, still in ``waiting``) goes first, ahead of requests
+        preempted since it started: it already holds blocks, which they may be waiting for.
+        """
+        num_tokens = 0
+        for seq in sorted(self.waiting, key=lambda s: s.status != SequenceStatus.RUNNING):   # stable: FCFS
+            if num_tokens >= budget:
+                break
+            if seq.status != SequenceStatus.RUNNING:   # not admitted yet; n completions take n seats
+                if len(self.running) + seq.num_samples > self.max_num_seqs or not self._admit(seq, plan):
+                    break   # first come, first served: no overtaking
             num_new_tokens = seq.num_tokens - seq.num_cached_tokens
-            seq.num_scheduled_tokens = min(num_new_tokens, self.max_num_batched_tokens - num_batched_tokens)
-            num_batched_tokens += seq.num_scheduled_tokens
-            scheduled.append(seq)
-            self._register_scheduled(seq)
+            self._schedule_tokens(plan, seq, min(num_new_tokens, budget - num_tokens), decode=False)
+            num_tokens += seq.num_scheduled_tokens
             if seq.num_scheduled_tokens < num_new_tokens:
-                break  # chunked: the budget is spent; the rest of this prompt comes next step
-            seq.status = SequenceStatus.RUNNING
-            self.waiting.popleft()
-            self.running.append(seq)
-        self.stats.prefill_kv_computed_tokens += num_batched_tokens
-        return scheduled
+                break   # chunked: the budget is spent
+            self.undo_log.remove(self.waiting, seq)
+            self.undo_log.append(self.running, seq)
+        self.undo_log.add(self.stats, "prefill_kv_computed_tokens", num_tokens)
+        return num_tokens
 
-    def _schedule_decode(self) -> list[Sequence]:
+    def _schedule_decodes(self, plan: StepPlan) -> int:
+        """One token for each running sequence, oldest first, preempting where blocks run out;
+        returns the number of sequences scheduled.
+
+        A sequence whose new token starts a block it cannot get preempts a victim
+        (``_choose_victim``: the most recently admitted) until it can, or preempts itself.
+        """
         bm = self.block_manager
-        scheduled: list[Sequence] = []
-        # Each decoding sequence computes one token: the token budget caps the batch too.
-        # The running queue is walked in place (oldest first), never emptied and refilled,
-        # so a failure part-way leaves every sequence where it was.
+        num_decodes = 0
         i = 0
-        while i < len(self.running) and len(scheduled) < self.max_num_batched_tokens:
+        # Each decoding sequence computes one token: the token budget caps the batch too.
+        while i < len(self.running) and num_decodes < self.max_num_batched_tokens:
             seq = self.running[i]
             while not bm.can_append(seq):
-                victim = self.running[-1]   # the most recently admitted gives way
-                self.preempt(victim)
-                if victim is seq:           # it was the last one: it gave up its own blocks
+                victim = self._choose_victim(seq)
+                self.preempt(victim, plan)
+                if victim is seq:   # it was the last one: it gave up its own blocks
                     break
             else:
-                self.blocks_to_copy += bm.may_append(seq)   # copy-on-write of a shared last block
-                seq.num_scheduled_tokens = seq.num_tokens - seq.num_cached_tokens  # == 1
-                scheduled.append(seq)
-                self._register_scheduled(seq)
+                plan.blocks_to_copy += bm.may_append(seq)   # copy-on-write of a shared last block
+                self._schedule_tokens(plan, seq, seq.num_tokens - seq.num_cached_tokens, decode=True)   # 1
+                num_decodes += 1
                 i += 1
-        return scheduled
+        return num_decodes
 
-    def preempt(self, seq: Sequence) -> None:
-        """Free a running ``seq``'s blocks and put it first in line; it is recomputed on readmission
-        -- or, with ``preemption_mode="swap"`` and room in the CPU pool, swapped back in."""
-        if not (self.cpu_pool is not None and self._swap_out(seq)):
-            self.block_manager.deallocate(seq)   # first: if it raises, nothing else changed
-        self.running.remove(seq)
-        seq.status = SequenceStatus.WAITING
-        seq.num_scheduled_tokens = 0
-        seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
-        self.preempted.append(seq)
-        self.stats.num_preemptions += 1
+    def _choose_victim(self, seq: Sequence) -> Sequence:
+        """The running sequence that gives way when ``seq`` needs a block: the most recently
+        admitted (a request's forks sit right after it, so a group is preempted newest first)."""
+        return self.running[-1]
 
-    def unschedule(self, seqs: list[Sequence]) -> None:
-        """Undo ``schedule()`` for a step that will not be recorded (the model or the sampler
-        raised): the sequences keep their blocks and compute the same tokens next time.
+    def preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        """Free a running ``seq``'s device blocks and put it first in line. The preemption
+        policy decides what it keeps: nothing (recompute) or a CPU copy of its K/V (swap)."""
+        log = self.undo_log
+        status = self.preemption.preempt(self, seq, plan)
+        log.remove(self.running, seq)
+        self._set_status(seq, status)
+        log.setattr(seq, "num_scheduled_tokens", 0)
+        log.add(seq, "num_preemptions", 1)
+        log.appendleft(self.waiting, seq)
+        log.add(self.stats, "num_preemptions", 1)
+        plan.preempted.append(seq)
 
-        A prompt that was moved to ``running`` without being computed goes back to the head
-        of ``waiting``, where it continues like a chunked prompt.
-        """
-        self._unschedule_swaps_and_registrations(seqs)
-        back = []
-        for seq in seqs:
-            if seq.num_scheduled_tokens == 0:
-                continue  # already recorded, finished or aborted
-            seq.num_scheduled_tokens = 0
-            if seq.status == SequenceStatus.RUNNING and seq.num_cached_tokens < seq.num_tokens - 1:
-                back.append(seq)
-        for seq in reversed(back):
-            self.running.remove(seq)
-            seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(seq)
-
-    # ---------------------------------------------------------------- chapter 09: policies
-
-    def _admit(self, seq: Sequence) -> bool:
+    def _admit(self, seq: Sequence, plan: StepPlan) -> bool:
         """Give the waiting ``seq`` its blocks, or return False if they do not fit.
 
-        A new or recomputed request is allocated (counting its prefix-cache query and hits); a
-        swapped-out one gets fresh blocks that its K/V are copied back into.
+        A new or preempted request is allocated (counting its prefix-cache query and hits); a
+        swapped one gets fresh blocks that its K/V are copied back into (the policy does it).
         """
-        if self.cpu_pool is not None and seq.seq_id in self.cpu_pool:
-            return self._swap_in(seq)
-        num_cached_blocks = self.block_manager.can_allocate(seq)
-        if num_cached_blocks == -1:
-            return False
-        self.block_manager.allocate(seq, num_cached_blocks)  # counts prefix-cache queries and hits
+        if seq.status == SequenceStatus.SWAPPED:
+            if not self.preemption.swap_in(self, seq, plan):
+                return False
+        else:
+            num_cached_blocks = self.block_manager.can_allocate(seq)
+            if num_cached_blocks == -1:
+                return False
+            self.block_manager.allocate(seq, num_cached_blocks)
+        self._set_status(seq, SequenceStatus.RUNNING)
         return True
 
-    def _schedule_mixed(self) -> tuple[list[Sequence], bool]:
-        """vLLM v1's policy: decodes first, then prompt chunks in what is left of the budget.
+    def _schedule_tokens(self, plan: StepPlan, seq: Sequence, num_tokens: int, *, decode: bool) -> None:
+        """``seq`` computes ``num_tokens`` tokens in this step (its decode token, or prompt
+        tokens); with ``same_step_prefix_hits`` the blocks they fill are registered now, so
+        later sequences of this step can hit them."""
+        self.undo_log.setattr(seq, "num_scheduled_tokens", num_tokens)
+        plan.seqs.append(seq)
+        if decode:
+            plan.num_decode_seqs += 1
+        else:
+            plan.num_prompt_seqs += 1
+        if self.same_step_prefix_hits:
+            before = len(seq.block_hashes)
+            self.block_manager.hash_blocks(seq, seq.num_cached_tokens + num_tokens)
+            plan.registered_blocks += seq.block_table[before:len(seq.block_hashes)]
 
-        Every running sequence gets its next token in every step (a prefill never stalls it);
-        waiting prompts share the rest of ``max_num_batched_tokens``, chunked where they do
-        not fit. ``is_prefill`` is True when the step holds prompt tokens.
+    def _num_samples(self, seq: Sequence) -> int:
+        """Tokens the step samples for ``seq``: none for a chunk in the middle of its prompt."""
+        if seq.num_cached_tokens + seq.num_scheduled_tokens < seq.num_tokens:
+            return 0
+        return seq.num_samples
+
+    def _count_step(self, plan: StepPlan) -> None:
+        if plan.num_prompt_seqs and plan.num_decode_seqs:
+            self.undo_log.add(self.stats, "num_mixed_steps", 1)
+        elif plan.num_prompt_seqs:
+            self.undo_log.add(self.stats, "num_prefill_steps", 1)
+        elif plan.num_decode_seqs:
+            self.undo_log.add(self.stats, "num_decode_steps", 1)
+
+    # ---------------------------------------------------------------- the step's results
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output) -> list[Sequence]:
+        """Record a step's results and commit it; return the sequences that finished in it.
+
+        ``model_runner_output`` is a ``ModelRunnerOutput`` (or just its ``sampled_token_ids``):
+        per scheduled sequence a list of ``num_samples`` sampled token ids (empty for a prompt
+        chunk), and optionally their log-probabilities in the same shape. A sequence with
+        ``n > 1`` samples forks into ``n`` completions here, sharing all its blocks
+        (``BlockManager.fork``). Finished sequences release their blocks -- they stay cached,
+        so a chat's next turn may reuse them. If anything raises, the whole step is undone.
         """
-        decodes = self._schedule_decode()
-        prompts = self._schedule_prompt_chunks(self.max_num_batched_tokens - len(decodes))
-        if decodes and prompts:
-            self.stats.num_mixed_steps += 1
-        elif prompts:
-            self.stats.num_prefill_steps += 1
-        elif decodes:
-            self.stats.num_decode_steps += 1
-        elif self.waiting:
-            raise RuntimeError(f"nothing could be scheduled although {len(self.waiting)} requests "
-                               "wait and none runs (check() admits only requests that fit in the pool)")
-        return decodes + prompts, bool(prompts)
+        out = scheduler_output
+        self._check_step_is_open(out)
+        try:
+            token_ids, logprobs = _results(model_runner_output)
+            self._check_results(out, token_ids, logprobs)
+            finished = self._record(out, token_ids, logprobs)
+        except BaseException:
+            self._close(rollback=True)
+            raise
+        self._close()
+        return finished
 
-    def _schedule_prompt_chunks(self, budget: int) -> list[Sequence]:
-        """Prompt tokens of waiting sequences, up to ``budget`` tokens, first come first served.
-
-        A partly prefilled prompt goes first, ahead of requests preempted since it started:
-        it already holds its blocks, which those requests may be waiting for.
-        """
-        scheduled: list[Sequence] = []
-        num_batched_tokens = 0
-        for seq in sorted(self.waiting, key=lambda s: not s.block_table):   # stable: FCFS otherwise
-            if num_batched_tokens >= budget:
-                break
-            if not seq.block_table:   # a request of n completions takes n seats
-                if len(self.running) + seq.num_samples > self.max_num_seqs or not self._admit(seq):
-                    break
-            num_new_tokens = seq.num_tokens - seq.num_cached_tokens
-            seq.num_scheduled_tokens = min(num_new_tokens, budget - num_batched_tokens)
-            num_batched_tokens += seq.num_scheduled_tokens
-            scheduled.append(seq)
-            self._register_scheduled(seq)
-            if seq.num_scheduled_tokens < num_new_tokens:
-                break  # chunked: the budget is spent
-            seq.status = SequenceStatus.RUNNING
-            self.waiting.remove(seq)
-            self.running.append(seq)
-        self.stats.prefill_kv_computed_tokens += num_batched_tokens
-        return scheduled
-
-    def _begin_step(self) -> None:
-        """Forget the previous step's swaps; the CPU blocks its swap-ins copied from are free now."""
-        for seq in self._swapped_in_now:
-            if seq.seq_id in self.cpu_pool:
-                self.cpu_pool.release(seq.seq_id)
-        self._swapped_in_now, self._swapped_out_now = [], []
-        self.blocks_to_swap_out, self.blocks_to_swap_in = [], []
-        self._registered_now = set()
-
-    def _swap_out(self, seq: Sequence) -> bool:
-        """Release ``seq``'s device blocks after listing their copy to the CPU pool; False (and
-        nothing changed but the fallback count) when the CPU pool has no room."""
-        pending = [c for c in self.blocks_to_copy if c[1] in seq.block_table]
-        if pending:
-            # A failed step left a copy-on-write into one of its blocks still to be made, after
-            # the swap-outs: the copy to the CPU would miss it. Recompute instead; the copy is moot.
-            self.blocks_to_copy = [c for c in self.blocks_to_copy if c not in pending]
-            self.stats.num_swap_fallbacks += 1
-            return False
-        num_blocks = -(-seq.num_cached_tokens // self.block_size)   # the blocks holding computed K/V
-        if not self.cpu_pool.can_swap_out(num_blocks):
-            self.stats.num_swap_fallbacks += 1
-            return False
-        device_blocks, num_computed = seq.block_table[:num_blocks], seq.num_cached_tokens
-        self.block_manager.deallocate(seq)   # first: if it raises, nothing else changed
-        cpu_blocks = self.cpu_pool.swap_out(seq.seq_id, num_blocks, num_computed)
-        # Safe although the freed blocks may be handed out again in this same step: the copies
-        # run before the forward pass that writes them.
-        self.blocks_to_swap_out += zip(device_blocks, cpu_blocks)
-        self._swapped_out_now.append(seq)
-        self.stats.num_swapped_out += 1
-        return True
-
-    def _swap_in(self, seq: Sequence) -> bool:
-        """Fresh device blocks for a swapped-out ``seq`` and the copies that refill them."""
-        if not self.block_manager.can_swap_in(seq):
-            return False
-        self.block_manager.allocate_for_swap_in(seq)
-        cpu_blocks = self.cpu_pool.block_table(seq.seq_id)
-        self.blocks_to_swap_in += zip(cpu_blocks, seq.block_table)
-        seq.num_cached_tokens = self.cpu_pool.num_computed_tokens(seq.seq_id)
-        # Its CPU blocks stay taken until the next schedule(): a failed step can still undo this.
-        self._swapped_in_now.append(seq)
-        self.stats.num_swapped_in += 1
-        return True
-
-    def _register_scheduled(self, seq: Sequence) -> None:
-        """With ``same_step_prefix_hits``: register the blocks this step's tokens of ``seq`` fill."""
-        if not self.same_step_prefix_hits:
-            return
-        before = len(seq.block_hashes)
-        self.block_manager.hash_blocks(seq, seq.num_cached_tokens + seq.num_scheduled_tokens)
-        self._registered_now.update(seq.block_table[before:len(seq.block_hashes)])
-
-    def _unschedule_swaps_and_registrations(self, seqs: list[Sequence]) -> None:
-        """The part of ``unschedule`` that chapter 09's options need; the step's copies and K/V
-        writes may or may not have happened, so nothing may rely on them.
-
-        * a swap-in not recorded goes back to the swapped state (it only read its CPU blocks,
-          which are still its own);
-        * a swap-out becomes a recomputation (its CPU copy may never have been made);
-        * blocks registered when scheduled are withdrawn, and a sequence admitted on a hit on
-          one of them is released and queued again as a new admission.
-        """
-        bm = self.block_manager
-        back = []
-        for seq in [s for s in self._swapped_in_now if s.num_scheduled_tokens > 0]:
-            bm.deallocate(seq)
-            self._swapped_in_now.remove(seq)
-            back.append(seq)
-        for seq in self._swapped_out_now:
-            if seq.seq_id in self.cpu_pool:
-                self.cpu_pool.release(seq.seq_id)
-        self._swapped_out_now = []
-        if self._registered_now:
-            unwritten = self._registered_now
-            for seq in seqs:
-                if seq.num_scheduled_tokens > 0 and unwritten.intersection(seq.block_table[:seq.num_cached_blocks]):
-                    bm.deallocate(seq)
-                    back.append(seq)
-            for seq in seqs:
-                if seq.num_scheduled_tokens > 0 and seq.block_table:
-                    del seq.block_hashes[seq.num_cached_blocks:]
-            for block_id in sorted(unwritten):
-                bm.unregister_block(block_id)
-            self._registered_now = set()
-        for seq in reversed(back):
-            seq.num_scheduled_tokens = 0
-            if seq.status == SequenceStatus.RUNNING:
-                self.running.remove(seq)
-                seq.status = SequenceStatus.WAITING
-                self.waiting.appendleft(seq)
-            # (a chunked prompt is in waiting already, where it now waits as a new request)
-
-    def postprocess(self, seqs: list[Sequence], token_ids: list, logprobs: list | None = None) -> list[Sequence]:
-        """Record a step's results; return the sequences that finished (each exactly once).
-
-        ``token_ids[i]`` is the token sampled for ``seqs[i]``, or None when that sequence
-        computed only a chunk of its prompt (there is nothing to sample yet), or -- for the
-        first sampled step of a request with ``n > 1`` completions -- a list of ``n`` tokens:
-        the sequence then forks into ``n``, sharing all its blocks (``BlockManager.fork``).
-        ``logprobs``, in the same shape, add to each sequence's ``cumulative_logprob``.
-
-        The order makes a failure part-way harmless. The results are checked first, for the
-        whole batch. Then plain bookkeeping that cannot fail: tokens counted as cached and
-        appended, forks made, finished sequences taken out of ``running`` into ``finished``.
-        Then the calls that may fail: ``hash_blocks`` (incremental, so a missed call is made up
-        by the next one) and the release of the finished sequences' blocks (retried by the
-        next call, which also hands over whatever this one could not).
-        """
-        self._check_step_results(seqs, token_ids)
-        if logprobs is None:
-            logprobs = [None if t is None else [0.0] * len(t) if isinstance(t, list) else 0.0 for t in token_ids]
-        self.blocks_to_copy = []   # the step ran: its copies are made
-        for seq, token_id, logprob in zip(seqs, token_ids, logprobs):
+    def _record(self, out: SchedulerOutput, token_ids, logprobs) -> list[Sequence]:
+        log, bm = self.undo_log, self.block_manager
+        finished: list[Sequence] = []
+        for i, seq in enumerate(out.seqs):
             # The step wrote the K/V of the scheduled tokens: they are cached now.
-            seq.num_cached_tokens += seq.num_scheduled_tokens
-            seq.num_scheduled_tokens = 0
-            if token_id is None:  # a chunk of a prompt: nothing to sample yet
+            log.setattr(seq, "num_cached_tokens", seq.num_cached_tokens + seq.num_scheduled_tokens)
+            log.setattr(seq, "num_scheduled_tokens", 0)
+            tokens = token_ids[i]
+            if not tokens:   # a chunk of a prompt: nothing sampled yet
                 continue
-            if isinstance(token_id, list):   # n completions: fork before they diverge
-                group, tokens, lps = [seq] + self._fork(seq, len(token_id) - 1), token_id, logprob
-            else:
-                group, tokens, lps = [seq], [token_id], [logprob]
+            group = [seq] + self._fork(seq, len(tokens) - 1) if out.num_samples[i] > 1 else [seq]
+            lps = logprobs[i] if logprobs is not None else [0.0] * len(tokens)
             for s, t, lp in zip(group, tokens, lps):
+                log.save(s, "num_tokens", "cumulative_logprob")
+                log.record(s.token_ids.pop)
                 s.append_token(t)
                 s.cumulative_logprob += lp
-                self.stats.generation_tokens += 1
+                log.add(self.stats, "generation_tokens", 1)
                 status = self._finish_status(s, t)
                 if status is not None:
-                    self.running.remove(s)
-                    s.status = status
-                    self.finished.append(s)
-        # Offer the blocks the step completed to other sequences -- a finishing sequence's
-        # too: its blocks stay cached after release, and a chat's next turn may reuse them.
-        for seq in seqs:
+                    log.remove(self.running, s)
+                    self._set_status(s, status)
+                    finished.append(s)
+        # Offer the blocks the step completed to other sequences -- a finishing sequence's too.
+        for seq in out.seqs:
             if seq.block_table:
-                self.block_manager.hash_blocks(seq)
-        for seq in self.finished:
-            if seq.block_table:
-                self.block_manager.deallocate(seq)
-        finished, self.finished = self.finished, []
+                bm.hash_blocks(seq)
+        for seq in finished:
+            bm.deallocate(seq)
+        self.preemption.step_done(self, out)
+        log.add(self, "num_steps", 1)
         return finished
 
     def _fork(self, seq: Sequence, num_children: int) -> list[Sequence]:
         """Completions 1 .. num_children of ``seq``'s request: forks sharing its blocks, placed
         right after it in ``running`` (a group is preempted from its newest member on)."""
         children = [seq.fork(j) for j in range(1, num_children + 1)]
-        for child in children:
-            self.block_manager.fork(seq, child)
-        seq.children = children
         at = self.running.index(seq) + 1
         for j, child in enumerate(children):
-            self.running.insert(at + j, child)
+            self.block_manager.fork(seq, child)
+            self.undo_log.insert(self.running, at + j, child)
+        self.undo_log.setattr(seq, "children", children)
         return children
-
-    def _check_step_results(self, seqs: list[Sequence], token_ids: list[int | None]) -> None:
-        """Raise ``ValueError`` unless the results fit the step ``schedule`` built; change nothing.
-
-        Checked for the whole batch first, so a bad entry cannot leave earlier ones applied.
-        """
-        if len(seqs) != len(token_ids):
-            raise ValueError(f"{len(seqs)} sequences but {len(token_ids)} token ids")
-        if len({id(seq) for seq in seqs}) != len(seqs):
-            raise ValueError("a sequence appears twice in one step's results")
-        for seq, token_id in zip(seqs, token_ids):
-            if seq.num_scheduled_tokens < 1 or not seq.block_table:
-                raise ValueError(f"sequence {seq.seq_id} has no tokens scheduled in this step "
-                                 f"(not scheduled, or its results were already recorded)")
-            n = seq.num_samples
-            if n > 1 and token_id is not None:
-                if not isinstance(token_id, list) or len(token_id) != n:
-                    raise ValueError(f"sequence {seq.seq_id} samples its first tokens for {n} completions: "
-                                     f"expected a list of {n} token ids, got {token_id!r}")
-                tokens = token_id
-            else:
-                tokens = [] if token_id is None else [token_id]
-            for t in tokens:
-                if not is_int(t) or t < 0:
-                    raise ValueError(f"sequence {seq.seq_id}: sampled token {t!r} is not a token id "
-                                     f"(an integer >= 0)")
-            completes = seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens
-            if completes and token_id is None:
-                raise ValueError(f"sequence {seq.seq_id} computed its last token but got no sampled token")
-            if not completes and token_id is not None:
-                raise ValueError(f"sequence {seq.seq_id} computed only a chunk of its prompt; "
-                                 f"its token must be None, got {token_id!r}")
 
     def _finish_status(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
         """Why ``seq`` finishes with ``token_id`` as its newest token, or None if it goes on."""
@@ -628,3 +510,99 @@ class Scheduler:
         if self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH_CAPPED
         return None
+
+    def _check_results(self, out: SchedulerOutput, token_ids, logprobs) -> None:
+        """Raise ``ValueError`` unless the results fit the step ``schedule`` built; change nothing."""
+        if len(token_ids) != len(out.seqs):
+            raise ValueError(f"{len(out.seqs)} sequences were scheduled but {len(token_ids)} results came back")
+        if logprobs is not None and len(logprobs) != len(out.seqs):
+            raise ValueError(f"{len(out.seqs)} sequences were scheduled but {len(logprobs)} logprob lists came back")
+        for i, (seq, n, tokens) in enumerate(zip(out.seqs, out.num_samples, token_ids)):
+            if not isinstance(tokens, (list, tuple)) or len(tokens) != n:
+                raise ValueError(f"sequence {seq.seq_id} samples {n} token(s) in this step: expected a list "
+                                 f"of {n} token ids, got {tokens!r}")
+            if logprobs is not None and (not isinstance(logprobs[i], (list, tuple)) or len(logprobs[i]) != n):
+                raise ValueError(f"sequence {seq.seq_id}: expected {n} log-probabilities, got {logprobs[i]!r}")
+            for t in tokens:
+                if not is_int(t) or t < 0:
+                    raise ValueError(f"sequence {seq.seq_id}: sampled token {t!r} is not a token id "
+                                     f"(an integer >= 0)")
+
+    def unschedule(self, scheduler_output: SchedulerOutput | None = None) -> None:
+        """Undo the open step (its results will not be recorded: the model or the sampler
+        raised): every change since ``schedule`` is rolled back, and the next ``schedule``
+        decides the same step again. Also finishes a rollback that was interrupted. Does
+        nothing when no step is open."""
+        if self.undo_log is not None:
+            self._close(rollback=True)
+
+    # ---------------------------------------------------------------- the transaction
+
+    def _open(self) -> UndoLog:
+        log = UndoLog()
+        self._attach(log)
+        return log
+
+    def _close(self, rollback: bool = False) -> None:
+        """Commit or roll back the open transaction, then stop recording."""
+        log = self.undo_log
+        if not rollback:
+            log.commit()
+            self._attach(None)
+            return
+        log.rollback()   # if interrupted, the log stays open and unschedule() carries on
+        self._attach(None)
+        overwritten = self.block_manager.forget_overwritten(log)
+        if overwritten:
+            self._recompute_holders(overwritten)
+
+    def _recompute_holders(self, block_ids: set[int]) -> None:
+        """After a rollback: sequences holding blocks whose K/V the undone step overwrote (the
+        step had preempted them and handed their blocks on) are preempted for real, by
+        recompute -- the one change a rollback cannot avoid."""
+        for seq in [s for s in list(self.running) + list(self.waiting) if block_ids.intersection(s.block_table)]:
+            self.block_manager.deallocate(seq)
+            if self.cpu_pool is not None and seq.seq_id in self.cpu_pool:
+                self.cpu_pool.release(seq.seq_id)
+            if seq in self.running:
+                self.running.remove(seq)
+            else:
+                self.waiting.remove(seq)
+            check_transition(seq, SequenceStatus.PREEMPTED)
+            seq.status = SequenceStatus.PREEMPTED
+            seq.num_preemptions += 1
+            self.waiting.appendleft(seq)
+
+    def _attach(self, log: UndoLog | None) -> None:
+        """Make ``log`` the undo log of every structure a step changes."""
+        self.undo_log = log
+        self.block_manager.undo_log = log
+        if self.cpu_pool is not None:
+            self.cpu_pool.undo_log = log
+
+    def _check_no_open_step(self, action: str) -> None:
+        if self.undo_log is not None:
+            raise RuntimeError(f"cannot {action}: a step is open (schedule() was called); record it with "
+                               f"update_from_output() or undo it with unschedule() first")
+
+    def _check_step_is_open(self, out: SchedulerOutput) -> None:
+        if not isinstance(out, SchedulerOutput):
+            raise TypeError(f"expected the SchedulerOutput of schedule(), got {type(out).__name__}")
+        if self.undo_log is None or out.step != self.num_steps:
+            raise ValueError(f"step {out.step} is not the open step of this scheduler (its results were "
+                             f"recorded or undone already, or it was never scheduled here)")
+
+    def _set_status(self, seq: Sequence, status: SequenceStatus) -> None:
+        check_transition(seq, status)
+        self.undo_log.setattr(seq, "status", status)
+
+
+def _results(model_runner_output):
+    """``(sampled_token_ids, logprobs or None)`` of a ``ModelRunnerOutput`` or a bare list."""
+    if isinstance(model_runner_output, (list, tuple)):
+        return list(model_runner_output), None
+    token_ids = getattr(model_runner_output, "sampled_token_ids", None)
+    if token_ids is None:
+        raise TypeError(f"expected a ModelRunnerOutput or a list of sampled token id lists, "
+                        f"got {type(model_runner_output).__name__}")
+    return list(token_ids), getattr(model_runner_output, "logprobs", None)

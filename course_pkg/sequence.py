@@ -10,19 +10,29 @@ from enum import Enum, auto
 from itertools import count
 
 from course_pkg.sampling_params import SamplingParams
-from course_pkg.validation import check_positive_int, check_token_ids
+from course_pkg.validation import check_positive_int, check_token_ids, is_int
 
 
 class SequenceStatus(Enum):
     """Where a request is in its life, named as vLLM's ``RequestStatus`` names it.
 
-    The Scheduler sets every status, and it alone decides why a request finished: the
-    end-of-sequence token (``FINISHED_STOPPED``), its length limit (``FINISHED_LENGTH_CAPPED``:
-    ``max_tokens`` or ``max_model_len``), or an abort (``FINISHED_ABORTED``).
+    * ``WAITING``: new, holding no blocks;
+    * ``RUNNING``: admitted, holding blocks -- decoding, or (still in the waiting queue)
+      a prompt that the last step computed only a chunk of;
+    * ``PREEMPTED``: gave its blocks back, to be recomputed on readmission;
+    * ``SWAPPED``: gave its device blocks back, its K/V wait in the CPU pool (vLLM v0);
+    * ``FINISHED_*``: done, for the reason named.
+
+    The Scheduler sets every status, through ``check_transition``, and it alone decides why a
+    request finished: the end-of-sequence token (``FINISHED_STOPPED``), its length limit
+    (``FINISHED_LENGTH_CAPPED``: ``max_tokens`` or ``max_model_len``), or an abort
+    (``FINISHED_ABORTED``).
     """
 
     WAITING = auto()
     RUNNING = auto()
+    PREEMPTED = auto()
+    SWAPPED = auto()
     FINISHED_STOPPED = auto()
     FINISHED_LENGTH_CAPPED = auto()
     FINISHED_ABORTED = auto()
@@ -39,6 +49,27 @@ class SequenceStatus(Enum):
 
 _FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
                    SequenceStatus.FINISHED_ABORTED: "abort"}
+
+RequestStatus = SequenceStatus   # vLLM's name
+
+_S = SequenceStatus
+#: The life of a request: every status change the Scheduler may make.
+TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
+    _S.WAITING: frozenset({_S.RUNNING, _S.FINISHED_ABORTED}),
+    _S.PREEMPTED: frozenset({_S.RUNNING, _S.FINISHED_ABORTED}),
+    _S.SWAPPED: frozenset({_S.RUNNING, _S.FINISHED_ABORTED}),
+    _S.RUNNING: frozenset({_S.PREEMPTED, _S.SWAPPED, _S.FINISHED_STOPPED, _S.FINISHED_LENGTH_CAPPED,
+                           _S.FINISHED_ABORTED}),
+    _S.FINISHED_STOPPED: frozenset(),
+    _S.FINISHED_LENGTH_CAPPED: frozenset(),
+    _S.FINISHED_ABORTED: frozenset(),
+}
+
+
+def check_transition(seq: "Sequence", status: SequenceStatus) -> None:
+    """Raise ``RuntimeError`` unless ``seq`` may go from its status to ``status``."""
+    if status not in TRANSITIONS[seq.status]:
+        raise RuntimeError(f"sequence {seq.seq_id} cannot go from {seq.status.name} to {status.name}")
 
 
 class Sequence:
@@ -160,6 +191,8 @@ class Sequence:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
     def append_token(self, token_id: int) -> None:
+        if not is_int(token_id) or token_id < 0:
+            raise ValueError(f"sequence {self.seq_id}: cannot append {token_id!r}, a token id is an integer >= 0")
         self.token_ids.append(token_id)
         self.num_tokens += 1
 

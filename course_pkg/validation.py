@@ -48,7 +48,10 @@ def check_bool(name: str, value) -> bool:
 def check_real(name: str, value, minimum: float | None = None, maximum: float | None = None, *,
                min_inclusive: bool = True) -> float:
     """``value`` as a float if it is a finite int or float (not a bool) within the bounds."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    try:   # an int too large for a float (10**400) is no finite number either
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:
+        ok = False
     if ok and minimum is not None:
         ok = value >= minimum if min_inclusive else value > minimum
     if ok and maximum is not None:

@@ -93,3 +93,11 @@ def load_build_slides():
     sys.modules.setdefault("build_slides", module)
     spec.loader.exec_module(module)
     return module
+
+
+def results(out, tokens) -> list[list[int]]:
+    """Per scheduled sequence of the step ``out``, the list of its sampled tokens, from the short
+    form the hand-written tests use: an int (one token), None (a prompt chunk: nothing sampled)
+    or a list (the ``n`` first tokens of a forking sequence)."""
+    assert len(tokens) == len(out.seqs), "test setup: one result per scheduled sequence"
+    return [[] if t is None else list(t) if isinstance(t, list) else [t] for t in tokens]

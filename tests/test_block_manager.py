@@ -1,4 +1,4 @@
-"""One test per semantic of the core contract (DESIGN.md, 'The contract of the core')."""
+"""One test per semantic of the core contract (ARCHITECTURE.md, 'The contract of the core')."""
 from __future__ import annotations
 
 import math

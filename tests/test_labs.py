@@ -100,54 +100,30 @@ def test_the_wrong_implementations_of_issue_18_fail_in_their_scenario(name, muta
 # ------------------------------------------------------------------ correct solutions, written independently
 
 class ScratchScheduler(Scheduler):
-    """schedule and preempt written from chapter 06's rules in one method each."""
+    """_schedule_decodes and preempt written from chapter 06's rules, with plain changes."""
 
-    def schedule(self):
-        self.preempted = []
-        for _ in range(2):                        # a second prefill pass if decode emptied the batch
-            batch, budget = [], self.max_num_batched_tokens
-            while self.waiting and budget > 0:
-                seq = self.waiting[0]
-                if not seq.block_table:           # a new prompt (a chunked one keeps its blocks)
-                    hits = self.block_manager.can_allocate(seq)
-                    if len(self.running) + seq.num_samples > self.max_num_seqs or hits < 0:
-                        break
-                    self.block_manager.allocate(seq, hits)
-                todo = len(seq) - seq.num_cached_tokens
-                seq.num_scheduled_tokens = min(todo, budget)
-                budget -= seq.num_scheduled_tokens
-                batch.append(seq)
-                if seq.num_scheduled_tokens < todo:
-                    break
-                self.waiting.popleft()
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-            self.stats.prefill_kv_computed_tokens += self.max_num_batched_tokens - budget
-            if batch:
-                return batch, True
-            if self.preempted or not self.running:
-                return [], False
-            i = 0
-            while i < len(self.running) and len(batch) < self.max_num_batched_tokens:
-                seq = self.running[i]
-                while seq in self.running and not self.block_manager.can_append(seq):
-                    self.preempt(self.running[-1])
-                if seq in self.running:
-                    self.blocks_to_copy += self.block_manager.may_append(seq)
-                    seq.num_scheduled_tokens = 1
-                    batch.append(seq)
-                    i += 1
-            if batch or not self.waiting:
-                return batch, False
-        return [], False
+    def _schedule_decodes(self, plan):
+        count = i = 0
+        while i < len(self.running) and count < self.max_num_batched_tokens:
+            seq = self.running[i]
+            while seq in self.running and not self.block_manager.can_append(seq):
+                self.preempt(self.running[-1], plan)
+            if seq not in self.running:           # it gave up its own blocks: nobody is left after it
+                break
+            plan.blocks_to_copy += self.block_manager.may_append(seq)
+            self._schedule_tokens(plan, seq, 1, decode=True)
+            count += 1
+            i += 1
+        return count
 
-    def preempt(self, seq):
-        self.block_manager.deallocate(seq)
+    def preempt(self, seq, plan):
+        seq.status = self.preemption.preempt(self, seq, plan)
         self.running.remove(seq)
-        seq.status = SequenceStatus.WAITING
         seq.num_scheduled_tokens = 0
+        seq.num_preemptions += 1
+        self.stats.num_preemptions += 1
         self.waiting.appendleft(seq)
-        self.preempted.append(seq)
+        plan.preempted.append(seq)
 
 
 

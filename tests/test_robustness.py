@@ -23,9 +23,10 @@ import torch
 from course_pkg import LLM, BlockManager, NoFreeBlocksError, SamplingParams, Sequence
 from course_pkg.engine.sampler import Sampler
 from course_pkg.models import default_model_path
+from course_pkg.sampling_params import BeamSearchParams
 from course_pkg.scheduler import Scheduler
 from course_pkg.sequence import SequenceStatus
-from tests.helpers import check_invariants, state
+from tests.helpers import check_invariants, state, results
 
 MODEL = default_model_path()
 CPU = dict(device="cpu", dtype=torch.float32, attention_backend="torch")
@@ -76,7 +77,7 @@ class Fault:
 def inject(llm, point, exc, at, monkeypatch):
     targets = {
         "forward": (llm.model, "forward"),
-        "postprocess": (llm.scheduler, "postprocess"),
+        "update_from_output": (llm.scheduler, "update_from_output"),
         "hash_blocks": (llm.block_manager, "hash_blocks"),
         "deallocate": (llm.block_manager, "deallocate"),
         "decode": (llm.tokenizer, "decode"),
@@ -91,7 +92,7 @@ def inject(llm, point, exc, at, monkeypatch):
     return fault
 
 
-POINTS = ["forward", "sampler", "postprocess", "hash_blocks", "deallocate", "decode"]
+POINTS = ["forward", "sampler", "update_from_output", "hash_blocks", "deallocate", "decode"]
 
 
 @pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt], ids=["exception", "interrupt"])
@@ -130,10 +131,10 @@ def test_a_request_that_always_fails_does_not_wedge_the_engine(reference, monkey
     real = Sampler.sample
     poison = [999, 998, 997]
 
-    def sampler(self, logits, seqs):
+    def sampler(self, logits, seqs, *args):
         if any(s.prompt_token_ids == poison for s in seqs):
             raise ValueError("this request cannot be sampled")
-        return real(self, logits, seqs)
+        return real(self, logits, seqs, *args)
 
     monkeypatch.setattr(Sampler, "sample", sampler)
     for _ in range(2):
@@ -194,8 +195,12 @@ def test_scheduler_abort_from_every_queue():
     short = SamplingParams(max_tokens=2)
     a, b = Sequence([1, 2, 3, 4, 5], short, block_size=2), Sequence([6, 7], short, block_size=2)
     sched.add_all([a, b])
-    seqs, _ = sched.schedule()                  # a is chunked: it holds blocks in waiting
+    out = sched.schedule()                  # a is chunked: it holds blocks in waiting
+    seqs, _ = list(out.seqs), out.is_prefill
     assert seqs == [a] and a.block_table and list(sched.waiting) == [a, b]
+    with pytest.raises(RuntimeError, match="a step is open"):
+        sched.abort(a)                      # not in the middle of a step
+    sched.update_from_output(out, [[]])     # the chunk computed, nothing sampled
     sched.abort(a)
     sched.abort(b)
     assert a.status == b.status == SequenceStatus.FINISHED_ABORTED and a.finish_reason == "abort"
@@ -212,9 +217,10 @@ def test_finish_reasons_are_decided_by_the_scheduler():
                             Sequence([1, 3], SamplingParams(max_tokens=1), block_size=2),
                             Sequence([1, 2, 3, 4, 5], SamplingParams(max_tokens=4), block_size=2))
     sched.add_all([stop, cap, model_len])
-    seqs, is_prefill = sched.schedule()
+    out = sched.schedule()
+    seqs, is_prefill = list(out.seqs), out.is_prefill
     assert is_prefill and seqs == [stop, cap, model_len]
-    finished = sched.postprocess(seqs, [9, 4, 4])
+    finished = sched.update_from_output(out, results(out, [9, 4, 4]))
     assert finished == [stop, cap, model_len]
     assert [s.status for s in finished] == [SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH_CAPPED,
                                             SequenceStatus.FINISHED_LENGTH_CAPPED]
@@ -229,8 +235,9 @@ def test_schedule_admits_in_the_same_step_when_the_last_runner_preempted_itself(
     sched = Scheduler(4, 2)
     a = Sequence([1, 2, 3], SamplingParams(max_tokens=3), block_size=2)
     sched.add(a)
-    seqs, _ = sched.schedule()
-    sched.postprocess(seqs, [9])
+    out = sched.schedule()
+    seqs, _ = list(out.seqs), out.is_prefill
+    sched.update_from_output(out, results(out, [9]))
     real, calls = sched.block_manager.can_append, []
 
     def can_append_but_not_the_first_time(seq):
@@ -238,8 +245,9 @@ def test_schedule_admits_in_the_same_step_when_the_last_runner_preempted_itself(
         return len(calls) > 1 and real(seq)
 
     monkeypatch.setattr(sched.block_manager, "can_append", can_append_but_not_the_first_time)
-    seqs, is_prefill = sched.schedule()
-    assert sched.preempted == [a] and a.num_preemptions == 1
+    out = sched.schedule()
+    seqs, is_prefill = list(out.seqs), out.is_prefill
+    assert list(out.preempted) == [a] and a.num_preemptions == 1
     # recomputed: its first block is a prefix-cache hit, the other 2 tokens run again
     assert seqs == [a] and is_prefill and (a.num_cached_tokens, a.num_scheduled_tokens) == (2, 2)
 
@@ -255,10 +263,11 @@ def test_schedule_never_returns_an_empty_batch_while_work_remains(seed):
     for _ in range(500):
         if sched.is_finished():
             break
-        batch, _ = sched.schedule()
+        out = sched.schedule()
+        batch, _ = list(out.seqs), out.is_prefill
         assert batch, "an empty batch although requests wait or run"
         done = [s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens for s in batch]
-        sched.postprocess(batch, [rng.randrange(1, 5) if d else None for d in done])
+        sched.update_from_output(out, results(out, [rng.randrange(1, 5) if d else None for d in done]))
     assert sched.is_finished() and sched.block_manager.num_free_blocks == 10
     assert all(s.num_completion_tokens == s.max_tokens for s in seqs)
 
@@ -271,11 +280,13 @@ def test_postprocess_refuses_tokens_that_are_not_token_ids_and_changes_nothing(t
     short = SamplingParams(max_tokens=2)
     a, b = Sequence([1, 2, 3], short, block_size=2), Sequence([4, 5], short, block_size=2)
     sched.add_all([a, b])
-    seqs, _ = sched.schedule()
-    before = (state(sched.block_manager, seqs), [s.num_scheduled_tokens for s in seqs], list(sched.running))
+    before = (state(sched.block_manager, [a, b]), [s.status for s in (a, b)], list(sched.waiting))
+    out = sched.schedule()
     with pytest.raises(ValueError, match="token"):
-        sched.postprocess(seqs, [7, token])
-    assert (state(sched.block_manager, seqs), [s.num_scheduled_tokens for s in seqs], list(sched.running)) == before
+        sched.update_from_output(out, results(out, [7, token]))
+    # The refused results undo the whole step: the scheduler is as before schedule().
+    assert (state(sched.block_manager, [a, b]), [s.status for s in (a, b)], list(sched.waiting)) == before
+    assert sched.undo_log is None and not sched.running
 
 
 # ---------------------------------------------------------------- ownership
@@ -452,3 +463,108 @@ def test_a_forced_hash_collision_never_changes_the_tokens(monkeypatch):
     assert llm.get_metrics().prefix_cache_hits == 0
     wrong, llm = run(confirm=lambda block, token_ids, parent: block.token_ids == token_ids)
     assert llm.get_metrics().prefix_cache_hits > 0 and wrong != expected
+
+
+# ---------------------------------------------------------------- issue 17's list of bad input
+
+@pytest.fixture(scope="module")
+def small_llm():
+    return LLM(MODEL, **ENGINE)
+
+
+def _engine_state(llm):
+    return (state(llm.block_manager), len(llm.scheduler.waiting), len(llm.scheduler.running),
+            dict(llm.get_metrics().as_dict()), sorted(llm._requests))
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda llm: llm.generate(b"hello"), TypeError, "bytes"),
+    (lambda llm: llm.generate([True]), TypeError, "prompt 0: a prompt is a str"),
+    (lambda llm: llm.generate([None]), TypeError, "prompt 0: a prompt is a str"),
+    (lambda llm: llm.generate([PROMPTS[0], 5]), TypeError, "prompt 1: a prompt is a str"),
+    (lambda llm: llm.abort_request(1.0), TypeError, "request id is an int"),
+    (lambda llm: llm.abort_request([1]), TypeError, "request id is an int"),
+    (lambda llm: llm.generate([PROMPTS[0]], SamplingParams(n=300, max_tokens=1), use_tqdm=False), ValueError,
+     "n=300 completions, but max_num_seqs=256"),
+    (lambda llm: llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=300, max_tokens=2)), ValueError,
+     "max_num_seqs"),
+    (lambda llm: llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=5, max_tokens=10**6)), ValueError,
+     "max_model_len|never fit"),
+], ids=["bytes", "bool-prompt", "none-prompt", "int-prompt", "float-id", "list-id", "n-above-max_num_seqs",
+        "beam-above-max_num_seqs", "beam-past-max_model_len"])
+def test_bad_input_is_refused_by_name_and_changes_nothing(small_llm, call, error, words):
+    before = _engine_state(small_llm)
+    with pytest.raises(error, match=words):
+        call(small_llm)
+    assert _engine_state(small_llm) == before
+
+
+def test_beam_width_above_the_vocabulary_is_refused():
+    llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=64, max_num_seqs=4096)
+    with pytest.raises(ValueError, match="beam_width=2000 is more than the vocabulary"):
+        llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=2000, max_tokens=2))
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(same_step_prefix_hits=True, enable_prefix_caching=False), "same_step_prefix_hits=True needs prefix"),
+    (dict(num_cpu_blocks=8), "num_cpu_blocks=8 sizes the CPU pool of preemption_mode='swap'"),
+    (dict(gpu_memory_utilization=5.0), "gpu_memory_utilization"),
+    (dict(kv_cache_memory_bytes=2.0**20), "kv_cache_memory_bytes"),
+    (dict(kv_cache_memory_bytes="1MB"), "kv_cache_memory_bytes"),
+    (dict(dtype="float32"), "dtype must be one of"),
+    (dict(free_queue="list"), "free_queue"),
+    (dict(preemption_mode="swap", num_cpu_blocks=4, tensor_parallel_size=2), "not supported with tensor_parallel"),
+    (dict(device="gpu0"), "device='gpu0' is not a torch device"),
+], ids=["same-step-without-caching", "cpu-blocks-with-recompute", "utilization", "float-bytes", "string-bytes",
+        "string-dtype", "free-queue", "swap-with-tp", "device"])
+def test_engine_config_refuses_bad_settings_by_name(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        LLM(MODEL, **{**CPU, "dtype": torch.float32, **kwargs})
+
+
+def test_a_model_path_that_is_a_file_is_refused(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"")
+    with pytest.raises(ValueError, match="is a file; pass the checkpoint folder"):
+        LLM(path, **CPU)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(temperature=10**400), "temperature must be a finite number"),
+    (dict(top_p=0.0), "top_p"),
+])
+def test_sampling_params_refuse_by_name(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("length_penalty", [1e308, -1e308, 11.0])
+def test_length_penalty_beyond_ten_is_refused(length_penalty):
+    with pytest.raises(ValueError, match="length_penalty"):
+        BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=length_penalty)
+
+
+def test_tiny_temperature_and_top_p_are_served_as_greedy(small_llm, reference):
+    """float32 cannot divide logits by 1e-300 (inf) nor hold top_p=1e-50 (0.0): both used to emit
+    token 0 at once. Below 1e-5 a temperature is greedy (vLLM's rule); the most likely token is
+    always in the nucleus."""
+    greedy = small_llm.generate(PROMPTS[:2], PARAMS, use_tqdm=False)
+    for sp in (SamplingParams(temperature=1e-300, max_tokens=7, ignore_eos=True),
+               SamplingParams(temperature=1e-39, max_tokens=7, ignore_eos=True),
+               SamplingParams(temperature=1.0, top_p=1e-50, max_tokens=7, ignore_eos=True, seed=3)):
+        outs = small_llm.generate(PROMPTS[:2], sp, use_tqdm=False)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in greedy]
+
+
+def test_hash_blocks_and_append_token_refuse_impossible_values():
+    bm = BlockManager(8, 2)
+    seq = Sequence([1, 2, 3, 4, 5], block_size=2)
+    bm.allocate(seq, bm.can_allocate(seq))
+    before = state(bm, [seq])
+    for bad in (-5, 6, 2.0):
+        with pytest.raises(ValueError, match="num_computed_tokens"):
+            bm.hash_blocks(seq, bad)
+    for bad in (-1, "x", 1.5, True):
+        with pytest.raises(ValueError, match="cannot append"):
+            seq.append_token(bad)
+    assert state(bm, [seq]) == before

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from course_pkg import SamplingParams, Sequence, SequenceStatus
 from course_pkg.scheduler import Scheduler
-from tests.helpers import state
+from tests.helpers import state, results
 
 VOCAB = 50
 EOS = 0
@@ -94,7 +94,8 @@ def run_to_end(sched: Scheduler, runner: FakeRunner | None = None, check=True,
     for _ in range(max_steps):
         if sched.is_finished():
             return outputs, log
-        seqs, is_prefill = sched.schedule()
+        out = sched.schedule()
+        seqs, is_prefill = list(out.seqs), out.is_prefill
         if check:
             live = [s for s in list(sched.waiting) + list(sched.running) if s.block_table]
             check_pool(sched.block_manager, live)
@@ -108,7 +109,7 @@ def run_to_end(sched: Scheduler, runner: FakeRunner | None = None, check=True,
                 assert all(s.num_scheduled_tokens == 1 for s in seqs)
                 assert seqs == list(sched.running)[:len(seqs)]
         log.append((is_prefill, [(s.seq_id, s.num_cached_tokens, s.num_scheduled_tokens) for s in seqs]))
-        for seq in sched.postprocess(seqs, runner.run(seqs)):
+        for seq in sched.update_from_output(out, results(out, runner.run(seqs))):
             outputs[seq.seq_id] = seq.completion_token_ids
             assert seq.block_table == []
     raise AssertionError("the scheduler did not finish")
@@ -138,17 +139,21 @@ def test_continuous_batching_admits_new_requests_while_others_decode():
     a = make_seq([1, 2, 3], max_tokens=4)
     sched.add(a)
     runner = FakeRunner(sched)
-    seqs, is_prefill = sched.schedule()
-    sched.postprocess(seqs, runner.run(seqs))
-    seqs, is_prefill = sched.schedule()
+    out = sched.schedule()
+    seqs, is_prefill = list(out.seqs), out.is_prefill
+    sched.update_from_output(out, results(out, runner.run(seqs)))
+    out = sched.schedule()
+    seqs, is_prefill = list(out.seqs), out.is_prefill
     assert not is_prefill and seqs == [a]
-    sched.postprocess(seqs, runner.run(seqs))
+    sched.update_from_output(out, results(out, runner.run(seqs)))
     b = make_seq([5, 6, 7, 8, 9], max_tokens=2)
     sched.add(b)  # arrives while a is decoding: the next step prefills it, then both decode
-    seqs, is_prefill = sched.schedule()
+    out = sched.schedule()
+    seqs, is_prefill = list(out.seqs), out.is_prefill
     assert is_prefill and seqs == [b]
-    sched.postprocess(seqs, runner.run(seqs))
-    seqs, is_prefill = sched.schedule()
+    sched.update_from_output(out, results(out, runner.run(seqs)))
+    out = sched.schedule()
+    seqs, is_prefill = list(out.seqs), out.is_prefill
     assert not is_prefill and seqs == [a, b]
 
 
@@ -162,7 +167,8 @@ def test_whole_prompt_cached_still_computes_the_last_block():
         run_to_end(sched)
         again = make_seq(prompt, max_tokens=2)
         sched.add(again)
-        seqs, is_prefill = sched.schedule()
+        out = sched.schedule()
+        seqs, is_prefill = list(out.seqs), out.is_prefill
         assert is_prefill and seqs == [again]
         assert again.num_cached_tokens == expected_hit
         assert again.num_scheduled_tokens == prompt_len - expected_hit >= 1
@@ -189,18 +195,20 @@ def test_two_sequences_sharing_a_prefix_admitted_in_one_step():
     sched.add(a)
     sched.add(b)
     runner = FakeRunner(sched)
-    seqs, is_prefill = sched.schedule()
+    out = sched.schedule()
+    seqs, is_prefill = list(out.seqs), out.is_prefill
     assert is_prefill and seqs == [a, b]
     assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0  # no hit on uncomputed blocks
     assert set(a.block_table).isdisjoint(b.block_table)
-    sched.postprocess(seqs, runner.run(seqs))
+    sched.update_from_output(out, results(out, runner.run(seqs)))
     # both registered their two full prefix blocks; a third request now hits 8 tokens
     c = make_seq(prefix + [31, 32, 33], 3)
     sched.add(c)
-    seqs, _ = sched.schedule()
+    out = sched.schedule()
+    seqs, _ = list(out.seqs), out.is_prefill
     assert seqs == [c] and c.num_cached_tokens == 8
     assert c.block_table[:2] == b.block_table[:2]  # the index points at the latest registration
-    sched.postprocess(seqs, runner.run(seqs))
+    sched.update_from_output(out, results(out, runner.run(seqs)))
     outputs, _ = run_to_end(sched, runner)
     for s in (a, b, c):
         assert outputs[s.seq_id] == reference(s.prompt_token_ids, 3, True)
@@ -226,11 +234,13 @@ def test_chunk_in_progress_holds_its_blocks_in_waiting():
     sched = Scheduler(16, 4, max_num_batched_tokens=4)
     seq = make_seq(list(range(1, 11)), 2)
     sched.add(seq)
-    seqs, _ = sched.schedule()
+    out = sched.schedule()
+    seqs, _ = list(out.seqs), out.is_prefill
     assert seqs == [seq] and seq.num_scheduled_tokens == 4
-    assert list(sched.waiting) == [seq] and seq.status == SequenceStatus.WAITING
+    # admitted (RUNNING: it holds blocks), but its prompt continues from waiting
+    assert list(sched.waiting) == [seq] and seq.status == SequenceStatus.RUNNING
     assert len(seq.block_table) == 3  # the whole prompt's blocks, allocated at admission
-    assert sched.postprocess(seqs, [None]) == []
+    assert sched.update_from_output(out, results(out, [None])) == []
     assert seq.num_cached_tokens == 4 and len(seq.block_hashes) == 1  # the first block is registered
 
 
@@ -241,16 +251,18 @@ def test_preemption_by_recompute_when_decode_cannot_get_a_block():
     sched.add(a)
     sched.add(b)
     runner = FakeRunner(sched)
-    seqs, is_prefill = sched.schedule()
+    out = sched.schedule()
+    seqs, is_prefill = list(out.seqs), out.is_prefill
     assert is_prefill and seqs == [a, b] and sched.block_manager.num_free_blocks == 0
-    sched.postprocess(seqs, runner.run(seqs))
+    sched.update_from_output(out, results(out, runner.run(seqs)))
     # a's 5th token starts a third block; none is free: b, admitted last, is preempted
-    seqs, is_prefill = sched.schedule()
+    out = sched.schedule()
+    seqs, is_prefill = list(out.seqs), out.is_prefill
     assert not is_prefill and seqs == [a]
     assert sched.stats.num_preemptions == 1
     assert list(sched.waiting) == [b] and b.block_table == [] and b.num_cached_tokens == 0
-    assert b.status == SequenceStatus.WAITING and b.num_completion_tokens == 1  # kept its token
-    sched.postprocess(seqs, runner.run(seqs))
+    assert b.status == SequenceStatus.PREEMPTED and b.num_completion_tokens == 1  # kept its token
+    sched.update_from_output(out, results(out, runner.run(seqs)))
     outputs, _ = run_to_end(sched, runner)
     assert outputs[a.seq_id] == reference([1, 2, 3, 4], 3, True)
     assert outputs[b.seq_id] == reference([5, 6, 7], 3, True)
@@ -263,15 +275,18 @@ def test_admission_is_first_come_first_served_a_later_request_never_overtakes_th
     a = make_seq([1, 2, 3, 4], 5, bs=2)
     sched.add(a)
     runner = FakeRunner(sched)
-    seqs, _ = sched.schedule()
-    sched.postprocess(seqs, runner.run(seqs))
+    out = sched.schedule()
+    seqs, _ = list(out.seqs), out.is_prefill
+    sched.update_from_output(out, results(out, runner.run(seqs)))
     head, small = make_seq(list(range(10, 20)), 2, bs=2), make_seq([40], 2, bs=2)
     sched.add(head)
     sched.add(small)
     assert sched.block_manager.num_free_blocks >= 2        # room for small, not for head
-    seqs, is_prefill = sched.schedule()
+    out = sched.schedule()
+    seqs, is_prefill = list(out.seqs), out.is_prefill
     assert not is_prefill and seqs == [a]                  # a decodes; nobody is admitted
     assert list(sched.waiting) == [head, small] and small.block_table == []
+    sched.update_from_output(out, results(out, runner.run(seqs)))
     outputs, log = run_to_end(sched, runner)
     def first_step(seq):       # the step that first scheduled it, counted after the check above
         return next(i for i, (_, batch) in enumerate(log) if seq.seq_id in {e[0] for e in batch})
@@ -286,9 +301,10 @@ def test_max_num_seqs_limits_the_running_batch():
     for s in seqs_in:
         sched.add(s)
     runner = FakeRunner(sched)
-    seqs, _ = sched.schedule()
+    out = sched.schedule()
+    seqs, _ = list(out.seqs), out.is_prefill
     assert seqs == seqs_in[:2] and len(sched.waiting) == 3
-    sched.postprocess(seqs, runner.run(seqs))
+    sched.update_from_output(out, results(out, runner.run(seqs)))
     outputs, log = run_to_end(sched, runner)
     assert max(len(batch) for _, batch in log) <= 2
     for s in seqs_in[2:]:
@@ -348,11 +364,17 @@ def test_bad_requests_and_settings_raise_clear_errors():
         Scheduler(8, 4, max_num_seqs=0)
     with pytest.raises(ValueError, match="num_blocks"):
         Scheduler(0, 4)
-    seqs, _ = sched.schedule()
-    snapshot = state(sched.block_manager, seqs)
-    with pytest.raises(ValueError, match="token ids"):
-        sched.postprocess(seqs, [])
-    assert state(sched.block_manager, seqs) == snapshot
+    snapshot = state(sched.block_manager, [seq])
+    out = sched.schedule()
+    with pytest.raises(ValueError, match="results came back"):
+        sched.update_from_output(out, [])
+    assert state(sched.block_manager, [seq]) == snapshot and list(sched.waiting) == [seq]
+    with pytest.raises(ValueError, match="n=3 completions"):
+        Scheduler(64, 4, max_num_seqs=2).add(Sequence([1, 2], SamplingParams(n=3), block_size=4))
+    with pytest.raises(ValueError, match="same_step_prefix_hits=True needs prefix caching"):
+        Scheduler(8, 4, enable_prefix_caching=False, same_step_prefix_hits=True)
+    with pytest.raises(ValueError, match="num_cpu_blocks"):
+        Scheduler(8, 4, num_cpu_blocks=4)
 
 
 # ---------------------------------------------------------------- property: any workload, same outputs
@@ -410,10 +432,12 @@ def test_the_most_recently_admitted_sequence_is_preempted_first():
     for s in (a, b, c):
         sched.add(s)
     runner = FakeRunner(sched)
-    seqs, _ = sched.schedule()
-    sched.postprocess(seqs, runner.run(seqs))
-    seqs, _ = sched.schedule()
-    assert sched.preempted == [c] and list(sched.waiting) == [c]
+    out = sched.schedule()
+    seqs, _ = list(out.seqs), out.is_prefill
+    sched.update_from_output(out, results(out, runner.run(seqs)))
+    out = sched.schedule()
+    seqs, _ = list(out.seqs), out.is_prefill
+    assert list(out.preempted) == [c] and list(sched.waiting) == [c]
     assert seqs == [a, b]        # c's two blocks went to a and b
     assert list(sched.running) == [a, b]
 
@@ -424,23 +448,27 @@ def _sched_state(sched: Scheduler, seqs: list[Sequence]) -> tuple:
             [s.seq_id for s in sched.running], [s.num_scheduled_tokens for s in seqs], astuple(sched.stats))
 
 
-@pytest.mark.parametrize("bad", ["token_for_a_chunk", "no_token_after_prefill", "twice", "duplicate"])
-def test_postprocess_rejects_results_that_do_not_fit_the_step_and_changes_nothing(bad):
+@pytest.mark.parametrize("bad", ["token_for_a_chunk", "no_token_after_prefill", "too_few", "not_a_list", "twice"])
+def test_update_from_output_rejects_results_that_do_not_fit_the_step_and_undoes_it(bad):
+    """Results that do not fit the step are refused, and the whole step is undone: the scheduler
+    is as it was before ``schedule()`` (a recorded step cannot be recorded again)."""
     sched = Scheduler(8, 2, max_num_batched_tokens=8)
     long = Sequence([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], SamplingParams(max_tokens=2), block_size=2)
     short = Sequence([1, 2, 3], SamplingParams(max_tokens=2), block_size=2)
     sched.add(short)
     sched.add(long)
-    seqs, is_prefill = sched.schedule()              # short whole (3 tokens), long a 5-token chunk
-    assert is_prefill and seqs == [short, long] and long.num_scheduled_tokens == 5
-    if bad == "twice":
-        sched.postprocess(seqs, [9, None])
-        seqs, tokens = [short], [9]
-    elif bad == "duplicate":
-        seqs, tokens = [short, short], [9, 9]
-    else:
-        tokens = {"token_for_a_chunk": [9, 9], "no_token_after_prefill": [None, None]}[bad]
     before = _sched_state(sched, [short, long])
-    with pytest.raises(ValueError, match="chunk|no sampled token|no tokens scheduled|twice"):
-        sched.postprocess(seqs, tokens)
+    out = sched.schedule()              # short whole (3 tokens), long a 5-token chunk
+    assert out.is_prefill and list(out.seqs) == [short, long] and out.num_scheduled_tokens == (3, 5)
+    assert out.num_samples == (1, 0)
+    if bad == "twice":
+        sched.update_from_output(out, [[9], []])
+        before = _sched_state(sched, [short, long])
+        with pytest.raises(ValueError, match="not the open step"):
+            sched.update_from_output(out, [[9], []])
+    else:
+        tokens = {"token_for_a_chunk": [[9], [9]], "no_token_after_prefill": [[], []],
+                  "too_few": [[9]], "not_a_list": [9, None]}[bad]
+        with pytest.raises(ValueError, match="token|results came back"):
+            sched.update_from_output(out, tokens)
     assert _sched_state(sched, [short, long]) == before

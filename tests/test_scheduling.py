@@ -16,6 +16,7 @@ import socket
 import urllib.request
 
 import pytest
+from dataclasses import astuple
 import torch
 
 from course_pkg import LLM, SamplingParams, Sequence
@@ -24,7 +25,7 @@ from course_pkg.models import default_model_path, load_model
 from course_pkg.scheduler import Scheduler
 from course_pkg.sequence import SequenceStatus
 from course_pkg.swap import CpuBlockPool
-from tests.helpers import check_invariants
+from tests.helpers import check_invariants, results, state
 from tests.test_engine import CONFIGS, expected, generate, hf_greedy, hf_model, one_thread, prompts  # noqa: F401
 
 MODEL = default_model_path()
@@ -46,7 +47,12 @@ OPTIONS = {
 @pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_generate_equals_huggingface(name, option, prompts, expected):
-    llm = LLM(MODEL, **CPU, **CONFIGS[name], **OPTIONS[option])
+    settings = {**CONFIGS[name], **OPTIONS[option]}
+    if settings.get("same_step_prefix_hits") and settings.get("enable_prefix_caching") is False:
+        with pytest.raises(ValueError, match="same_step_prefix_hits=True needs prefix caching"):
+            LLM(MODEL, **CPU, **settings)   # refused: without caching there is nothing to hit
+        return
+    llm = LLM(MODEL, **CPU, **settings)
     outputs = generate(llm, prompts)
     for i, out in enumerate(outputs):
         assert out.token_ids == expected[i], f"prompt {i} ({len(prompts[i])} tokens) differs from HF"
@@ -112,10 +118,12 @@ def test_mixed_step_puts_decodes_first_and_fills_the_budget_with_prompt_chunks()
     a, b, c = (Sequence(list(range(start, start + n)), SamplingParams(max_tokens=20), block_size=4)
                for start, n in ((10, 6), (100, 7), (200, 9)))
     sched.add_all([a, b, c])
-    seqs, is_prefill = sched.schedule()             # a whole (6) + 4 tokens of b
+    out = sched.schedule()             # a whole (6) + 4 tokens of b
+    seqs, is_prefill = list(out.seqs), out.is_prefill
     assert [(s.seq_id, s.num_scheduled_tokens) for s in seqs] == [(a.seq_id, 6), (b.seq_id, 4)]
-    sched.postprocess(seqs, [1, None])
-    seqs, _ = sched.schedule()                       # a decodes, b finishes its prompt (3), c chunk (6)
+    sched.update_from_output(out, results(out, [1, None]))
+    out = sched.schedule()                       # a decodes, b finishes its prompt (3), c chunk (6)
+    seqs, _ = list(out.seqs), out.is_prefill
     assert [(s.seq_id, s.num_scheduled_tokens) for s in seqs] == [(a.seq_id, 1), (b.seq_id, 3), (c.seq_id, 6)]
     assert sum(s.num_scheduled_tokens for s in seqs) == 10
     assert sched.stats.num_mixed_steps == 1
@@ -183,28 +191,37 @@ def test_model_runner_swap_round_trip_restores_the_blocks():
 
 
 def swapping_scheduler():
-    """A scheduler whose second sequence gets swapped out at the first decode step that needs a block."""
+    """A scheduler whose second sequence gets swapped out at the first decode step that needs a
+    block; returns it with that step open, and the state before the step."""
     sched = Scheduler(4, 4, preemption_mode="swap", num_cpu_blocks=4)
     a = Sequence([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=9), block_size=4)   # 2 blocks
     b = Sequence([9, 10, 11, 12, 13, 14, 15, 16], SamplingParams(max_tokens=9), block_size=4)
     sched.add_all([a, b])
-    seqs, _ = sched.schedule()
-    sched.postprocess(seqs, [20, 21])                # both 9 tokens: the 9th needs a 3rd block
-    seqs, _ = sched.schedule()
-    return sched, a, b, seqs
+    out = sched.schedule()
+    sched.update_from_output(out, [[20], [21]])   # both 9 tokens: the 9th needs a 3rd block
+    before = pool_state(sched, [a, b])
+    out = sched.schedule()
+    return sched, a, b, out, before
+
+
+def pool_state(sched, seqs):
+    pool = sched.cpu_pool
+    return (state(sched.block_manager, seqs), [s.status for s in seqs], list(sched.waiting), list(sched.running),
+            sorted(pool.swapped.items()), list(pool.free_block_ids), astuple(sched.stats))
 
 
 def test_swap_out_lists_the_copies_and_frees_the_device_blocks():
-    sched, a, b, seqs = swapping_scheduler()
-    assert seqs == [a] and sched.preempted == [b]
-    assert b.seq_id in sched.cpu_pool and not b.block_table and b.status == SequenceStatus.WAITING
-    assert [cpu for _, cpu in sched.blocks_to_swap_out] == sched.cpu_pool.block_table(b.seq_id)
-    assert len(sched.blocks_to_swap_out) == 2 and sched.cpu_pool.num_computed_tokens(b.seq_id) == 8
+    sched, a, b, out, _ = swapping_scheduler()
+    assert list(out.seqs) == [a] and list(out.preempted) == [b]
+    assert b.seq_id in sched.cpu_pool and not b.block_table and b.status == SequenceStatus.SWAPPED
+    assert [cpu for _, cpu in out.blocks_to_swap_out] == sched.cpu_pool.block_table(b.seq_id)
+    assert len(out.blocks_to_swap_out) == 2 and sched.cpu_pool.num_computed_tokens(b.seq_id) == 8
     check_invariants(sched.block_manager, [a])
 
 
 def test_abort_frees_a_swapped_sequence_and_its_cpu_blocks():
-    sched, a, b, _ = swapping_scheduler()
+    sched, a, b, out, _ = swapping_scheduler()
+    sched.update_from_output(out, [[22]])
     sched.abort(b)
     assert b.status == SequenceStatus.FINISHED_ABORTED
     assert b.seq_id not in sched.cpu_pool and sched.cpu_pool.num_free_blocks == 4
@@ -212,26 +229,42 @@ def test_abort_frees_a_swapped_sequence_and_its_cpu_blocks():
     check_invariants(sched.block_manager, [a])
 
 
-def test_a_failed_step_turns_its_swap_out_into_a_recomputation():
-    sched, a, b, seqs = swapping_scheduler()
-    sched.unschedule(seqs)
+def test_a_failed_step_undoes_its_swap_out_exactly():
+    sched, a, b, out, before = swapping_scheduler()
+    sched.unschedule(out)          # nothing was copied or written: the victim simply runs again
+    assert pool_state(sched, [a, b]) == before
+    assert b.status == SequenceStatus.RUNNING and b.block_table and b.seq_id not in sched.cpu_pool
+
+
+def test_a_swap_out_undone_after_its_blocks_were_overwritten_is_recomputed():
+    """Once the step wrote K/V into the victim's freed blocks, undoing the step cannot give the
+    victim its K/V back: it is preempted by recompute, and its blocks are no cache entries."""
+    sched, a, b, out, before = swapping_scheduler()
+    overwritten = set(sched.undo_log.new_blocks)
+    assert overwritten and overwritten <= {d for d, _ in out.blocks_to_swap_out}   # a took a block of b's
+    sched.undo_log.kv_written = True        # as the model runner marks it before copying
+    sched.unschedule(out)
+    assert b.status == SequenceStatus.PREEMPTED and not b.block_table and list(sched.waiting) == [b]
     assert b.seq_id not in sched.cpu_pool and sched.cpu_pool.num_free_blocks == 4
-    assert list(sched.waiting) == [b] and b.num_cached_tokens == 0 and not b.block_table
+    assert not overwritten & set(sched.block_manager.hash_to_block_id.values())
+    assert a.status == SequenceStatus.RUNNING and len(a.block_table) == 2   # as before the step
+    assert sched.block_manager.num_free_blocks == 2
 
 
 def test_a_failed_swap_in_goes_back_to_the_cpu_pool():
-    sched, a, b, seqs = swapping_scheduler()
-    sched.postprocess(seqs, [22])
+    sched, a, b, out, _ = swapping_scheduler()
+    sched.update_from_output(out, [[22]])
     sched.abort(a)                                   # room for b again
-    seqs, _ = sched.schedule()
-    assert seqs == [b] and sched.blocks_to_swap_in
-    sched.unschedule(seqs)
+    out = sched.schedule()
+    assert list(out.seqs) == [b] and out.blocks_to_swap_in
+    sched.unschedule(out)
     assert b.seq_id in sched.cpu_pool and list(sched.waiting) == [b] and not b.block_table
+    assert b.status == SequenceStatus.SWAPPED
     check_invariants(sched.block_manager, [])
-    seqs, _ = sched.schedule()                       # swapped in again, same copies
-    assert seqs == [b] and b.num_cached_tokens == 8 and b.num_scheduled_tokens == 1
-    sched.postprocess(seqs, [23])
-    sched.schedule()
+    again = sched.schedule()                          # swapped in again, same copies
+    assert again.blocks_to_swap_in == out.blocks_to_swap_in
+    assert list(again.seqs) == [b] and b.num_cached_tokens == 8 and b.num_scheduled_tokens == 1
+    sched.update_from_output(again, [[23]])
     assert b.seq_id not in sched.cpu_pool and sched.cpu_pool.num_free_blocks == 4
 
 
@@ -280,10 +313,11 @@ def test_registering_when_scheduled_names_blocks_as_hash_blocks_does(seed):
         sched.add_all(seqs)
         states, tokens = [], iter(range(1000, 2000))
         while not sched.is_finished():
-            batch, _ = sched.schedule()
-            results = [next(tokens) if s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens else None
+            out = sched.schedule()
+            batch, _ = list(out.seqs), out.is_prefill
+            sampled = [next(tokens) if s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens else None
                        for s in batch]
-            sched.postprocess(batch, results)
+            sched.update_from_output(out, results(out, sampled))
             bm = sched.block_manager
             states.append((dict(bm.hash_to_block_id),
                            [(b.hash, b.prefix_id, b.parent_prefix_id, tuple(b.token_ids)) for b in bm.blocks],
@@ -299,17 +333,20 @@ def test_a_failed_step_withdraws_the_blocks_it_registered_when_scheduled():
     a = Sequence(shared + [9, 10], SamplingParams(max_tokens=3), block_size=4)
     b = Sequence(shared + [11], SamplingParams(max_tokens=3), block_size=4)
     sched.add_all([a, b])
-    seqs, _ = sched.schedule()
+    out = sched.schedule()
+    seqs, _ = list(out.seqs), out.is_prefill
     assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]   # a same-step hit
     bm = sched.block_manager
     registered = set(bm.hash_to_block_id.values())
     assert registered == set(a.block_table[:2])
-    sched.unschedule(seqs)                           # the step failed: those K/V were never written
+    sched.unschedule(out)                           # the step failed: those K/V were never written
     assert bm.hash_to_block_id == {} and all(bm.blocks[i].hash == -1 for i in registered)
     assert not b.block_table and b.status == SequenceStatus.WAITING    # its hit is undone
-    assert a.block_hashes == [] and a.num_cached_tokens == 0
-    check_invariants(bm, [a])
-    seqs, _ = sched.schedule()                       # redone: the same hit, registered again
+    assert not a.block_table and a.block_hashes == [] and a.num_cached_tokens == 0   # and a's admission
+    assert list(sched.waiting) == [a, b]
+    check_invariants(bm, [])
+    out = sched.schedule()                       # redone: the same hit, registered again
+    seqs, _ = list(out.seqs), out.is_prefill
     assert seqs == [a, b] and b.num_cached_tokens == 8
 
 
@@ -360,13 +397,13 @@ def swap_reference():
 
 
 @pytest.mark.parametrize("scheduling", ["prefill_first", "mixed"])
-@pytest.mark.parametrize("point", ["swap_out", "swap_in", "forward", "postprocess", "deallocate"])
+@pytest.mark.parametrize("point", ["swap_out", "swap_in", "forward", "update_from_output", "deallocate"])
 @pytest.mark.parametrize("at", [1, 3, 5])
 def test_a_fault_while_sequences_are_swapped_leaves_the_engine_as_good_as_new(swap_reference, scheduling,
                                                                                 point, at, monkeypatch):
     llm = LLM(MODEL, **FAULT_ENGINE, scheduling=scheduling)
     obj = {"swap_out": llm.model_runner, "swap_in": llm.model_runner, "forward": llm.model,
-           "postprocess": llm.scheduler, "deallocate": llm.block_manager}[point]
+           "update_from_output": llm.scheduler, "deallocate": llm.block_manager}[point]
     real, calls = getattr(obj, point), []
 
     def fails_once(*args, **kwargs):
@@ -483,20 +520,6 @@ def test_parallel_sampling_under_the_options_equals_single_requests(option):
         assert m.num_swapped_out > 0 and llm.scheduler.cpu_pool.num_free_blocks == llm.scheduler.cpu_pool.num_blocks
 
 
-def test_a_swap_victim_with_a_pending_copy_into_its_blocks_is_recomputed():
-    """A failed step keeps its copy-on-write copies for the next one, which makes them after its
-    swap-outs: a victim whose block still waits for such a copy must not be swapped."""
-    sched = Scheduler(4, 4, preemption_mode="swap", num_cpu_blocks=4)
-    a = Sequence([1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=2), block_size=4)
-    sched.add(a)
-    seqs, _ = sched.schedule()
-    sched.postprocess(seqs, [7])
-    sched.blocks_to_copy = [(3, a.block_table[1])]     # as a failed step would leave it
-    sched.preempt(a)
-    assert a.seq_id not in sched.cpu_pool and sched.stats.num_swap_fallbacks == 1
-    assert sched.blocks_to_copy == [] and not a.block_table
-
-
 # ---------------------------------------------------------------- arrivals and their drawings
 
 def test_poisson_trace_is_seeded_and_has_the_asked_rate():
@@ -528,7 +551,7 @@ def test_serve_on_the_step_clock_counts_steps_from_arrival():
 def test_pools_name_the_owner_of_every_device_and_cpu_block():
     from course_pkg.viz.pools import pool_owners, render_pools
 
-    sched, a, b, _ = swapping_scheduler()
+    sched, a, b, _, _ = swapping_scheduler()
     device, cpu = pool_owners(sched.block_manager, sched.cpu_pool, {"a": a, "b": b})
     assert sorted(i for i, o in enumerate(device) if o == "a") == sorted(a.block_table)
     assert [i for i, o in enumerate(cpu) if o == "b"] == sched.cpu_pool.block_table(b.seq_id)

@@ -118,9 +118,10 @@ def test_every_request_finishes_with_its_tokens_and_the_pool_is_whole_again(
     real_schedule = scheduler.schedule
 
     def recording_schedule():
-        batch, is_prefill = real_schedule()
-        batches.append(sum(s.num_scheduled_tokens for s in batch))
-        return batch, is_prefill
+        out = real_schedule()
+        batches.append(sum(s.num_scheduled_tokens for s in out.seqs))
+        assert batches[-1] == out.total_num_scheduled_tokens
+        return out
 
     scheduler.schedule = recording_schedule
     while not run.done:

@@ -28,6 +28,7 @@ import torch
 
 from course_pkg.sampling_params import BeamSearchParams, SamplingParams
 from course_pkg.sequence import Sequence
+from course_pkg.undo import UndoLog
 
 
 @dataclass
@@ -67,50 +68,39 @@ def beam_search_one(engine, prompt_token_ids: list[int], params: BeamSearchParam
     chapter's drawings). Every block is released before returning, also on an exception.
     """
     bm, runner = engine.block_manager, engine.model_runner
-    k, lp = params.beam_width, params.length_penalty
     eos = frozenset() if params.ignore_eos else engine.scheduler.eos_token_ids
     sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
     root = Sequence(prompt_token_ids, sampling, block_size=engine.block_size)
-    bm.allocate(root, bm.can_allocate(root))
+    with bm.transaction():
+        bm.allocate(root, bm.can_allocate(root))
     root.num_scheduled_tokens = root.num_tokens - root.num_cached_tokens
     beams, scores = [root], [0.0]
     finished: list[BeamSearchSequence] = []
     try:
         for step in range(1, params.max_tokens + 1):
-            logprobs = runner.compute_logprobs(beams)                       # [beams, vocab]
-            for beam in beams:
-                beam.num_cached_tokens += beam.num_scheduled_tokens
-                beam.num_scheduled_tokens = 0
-                bm.hash_blocks(beam)
-            total = logprobs + torch.tensor(scores, dtype=logprobs.dtype).unsqueeze(1)
-            top_scores, top_index = torch.topk(total.flatten(), k=min(2 * k, total.numel()))
-            vocab = logprobs.shape[1]
-            candidates = [(score, i // vocab, i % vocab)
-                          for score, i in zip(top_scores.tolist(), top_index.tolist())]
-            last = step == params.max_tokens
-            ends = [last or token in eos for _, _, token in candidates]
-            ended = []
-            for rank, ((score, b, token), end) in enumerate(zip(candidates, ends)):
-                if end and rank < k:   # only the first k candidates may end a hypothesis
-                    ended.append((beams[b].seq_id, token))
-                    finished.append(BeamSearchSequence(
-                        tokens=beams[b].token_ids + [token], cum_logprob=score,
-                        finish_reason="stop" if token in eos else "length", score=score / step ** lp))
-            finished = sorted(finished, key=lambda h: -h.score)[:k]
-            running = [c for c, end in zip(candidates, ends) if not end][:k]
-            if last or not running:
+            # Each step is a transaction on the block manager (course_pkg.undo): if it raises,
+            # the beams of the step before hold their blocks again, and ``finally`` frees them.
+            with bm.transaction() as log:
+                log.kv_written = True
+                logprobs = runner.compute_logprobs(beams)                       # [beams, vocab]
+                for beam in beams:
+                    log.save(beam, "num_cached_tokens", "num_scheduled_tokens")
+                    beam.num_cached_tokens += beam.num_scheduled_tokens
+                    beam.num_scheduled_tokens = 0
+                    bm.hash_blocks(beam)
+                finished_now, running, ended, stop = _search_step(params, step, eos, logprobs, scores,
+                                                                  beams, finished)
+                if not stop:
+                    next_beams, next_scores, record = _next_beams(bm, runner, beams, running, log)
+            finished = finished_now
+            if stop:
                 break
-            if len(finished) == k and running[0][0] / step ** lp <= finished[-1].score:
-                break   # no running beam can beat the worst finished hypothesis any more
-            beams, scores, record = _next_beams(bm, runner, beams, running)
+            beams, scores = next_beams, next_scores
             if on_step is not None:
                 on_step(BeamStep(step=step, kept=record["kept"], pruned=record["pruned"],
-                                 finished=tuple(ended),
-                                 copies=record["copies"]), beams)
+                                 finished=tuple(ended), copies=record["copies"]), beams)
     finally:
-        for beam in beams:
-            if beam.block_table:
-                bm.deallocate(beam)
+        _release(bm, beams)
     if engine.tokenizer is not None:
         n = len(prompt_token_ids)
         for h in finished:
@@ -118,7 +108,55 @@ def beam_search_one(engine, prompt_token_ids: list[int], params: BeamSearchParam
     return BeamSearchOutput(sequences=finished)
 
 
-def _next_beams(bm, runner, beams: list[Sequence], running):
+def _release(bm, beams: list[Sequence]) -> None:
+    """Release every beam's blocks, each release a transaction of its own: one that raises is
+    undone and tried again once the others are released; the first error is re-raised then."""
+    pending, error = [b for b in beams if b.block_table], None
+    for _ in range(2):
+        failed = []
+        for beam in pending:
+            try:
+                with bm.transaction():
+                    bm.deallocate(beam)
+            except BaseException as e:
+                failed.append(beam)
+                error = error or e
+        pending = failed
+    if error is not None:
+        raise error
+
+
+def _search_step(params: BeamSearchParams, step: int, eos, logprobs: torch.Tensor, scores: list[float],
+                 beams: list[Sequence], finished: list[BeamSearchSequence]):
+    """Rank this step's candidates (steps 2 and 3 of the module docstring).
+
+    Returns ``(finished, running, ended, stop)``: the best ``beam_width`` finished hypotheses
+    so far, the candidates that go on, the ``(beam seq id, token)`` pairs that ended a
+    hypothesis now, and whether the search stops after this step.
+    """
+    k, lp = params.beam_width, params.length_penalty
+    total = logprobs + torch.tensor(scores, dtype=logprobs.dtype).unsqueeze(1)
+    top_scores, top_index = torch.topk(total.flatten(), k=min(2 * k, total.numel()))
+    vocab = logprobs.shape[1]
+    candidates = [(score, i // vocab, i % vocab) for score, i in zip(top_scores.tolist(), top_index.tolist())]
+    last = step == params.max_tokens
+    ends = [last or token in eos for _, _, token in candidates]
+    ended = []
+    finished = list(finished)
+    for rank, ((score, b, token), end) in enumerate(zip(candidates, ends)):
+        if end and rank < k:   # only the first k candidates may end a hypothesis
+            ended.append((beams[b].seq_id, token))
+            finished.append(BeamSearchSequence(
+                tokens=beams[b].token_ids + [token], cum_logprob=score,
+                finish_reason="stop" if token in eos else "length", score=score / step ** lp))
+    finished = sorted(finished, key=lambda h: -h.score)[:k]
+    running = [c for c, end in zip(candidates, ends) if not end][:k]
+    # Stop at the last token, or when no running beam can beat the worst finished hypothesis.
+    stop = last or not running or (len(finished) == k and running[0][0] / step ** lp <= finished[-1].score)
+    return finished, running, ended, stop
+
+
+def _next_beams(bm, runner, beams: list[Sequence], running, log: UndoLog):
     """Turn the chosen (score, beam, token) candidates into the next beams, with forks."""
     uses: dict[int, list[tuple[float, int]]] = {}
     for score, b, token in running:
@@ -132,6 +170,8 @@ def _next_beams(bm, runner, beams: list[Sequence], running):
         for child in children:
             bm.fork(parent, child)
         for seq, (score, token) in zip([parent] + children, choices):
+            log.save(seq, "num_tokens")
+            log.record(seq.token_ids.pop)
             seq.append_token(token)
             new_beams.append(seq)
             new_scores.append(score)
@@ -146,7 +186,7 @@ def _next_beams(bm, runner, beams: list[Sequence], running):
     copies = []
     for beam in new_beams:
         copies += bm.may_append(beam)
-        beam.num_scheduled_tokens = 1
+        log.setattr(beam, "num_scheduled_tokens", 1)
     runner.copy_blocks(copies)
     return new_beams, new_scores, {"kept": tuple(kept), "pruned": tuple(b.seq_id for b in pruned),
                                    "copies": tuple(copies)}

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceABC
 
 from course_pkg.engine.beam_search import BeamSearchOutput, beam_search_one
-from course_pkg.engine.llm_engine import LLMEngine, RequestOutput
+from course_pkg.engine.llm_engine import LLMEngine
+from course_pkg.engine.outputs import RequestOutput
 from course_pkg.sampling_params import BeamSearchParams, SamplingParams
 from course_pkg.validation import check_bool, is_int
 
@@ -24,6 +25,9 @@ def _as_prompt_list(prompts) -> list:
     """One prompt (text, or a list of token ids) or a list of prompts -> a list of prompts."""
     if isinstance(prompts, str):
         return [prompts]
+    if isinstance(prompts, (bytes, bytearray)):
+        raise TypeError("prompts must be a string, a list of token ids, or a list of those; got bytes "
+                        "(decode them to a str first)")
     if not isinstance(prompts, SequenceABC):
         raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; "
                         f"got {type(prompts).__name__}")
@@ -73,6 +77,9 @@ class LLM(LLMEngine):
             seqs = []
             for i, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
                 try:
+                    if not isinstance(prompt, (str, list, tuple)):
+                        raise TypeError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__} "
+                                        f"{prompt!r}")
                     seqs.append(self.make_sequence(prompt, sp))
                 except (ValueError, TypeError) as e:
                     raise type(e)(f"prompt {i}: {e}") from None
@@ -127,11 +134,17 @@ class LLM(LLMEngine):
                 raise RuntimeError("beam_search runs alone: finish or abort the queued requests first")
             as_n = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True,
                                   n=params.beam_width)
+            if params.beam_width > self.config.vocab_size:
+                raise ValueError(f"beam_width={params.beam_width} is more than the vocabulary's "
+                                 f"{self.config.vocab_size} tokens: a step could not fill the beams")
             token_ids = []
             for i, prompt in enumerate(prompts):
                 try:
                     seq = self.make_sequence(prompt, as_n)   # a request of beam_width completions
                     self.scheduler.check(seq)
+                    if seq.num_prompt_tokens + params.max_tokens > self.max_model_len:
+                        raise ValueError(f"the prompt's {seq.num_prompt_tokens} tokens plus max_tokens="
+                                         f"{params.max_tokens} exceed max_model_len={self.max_model_len}")
                 except (ValueError, TypeError) as e:
                     raise type(e)(f"prompt {i}: {e}") from None
                 token_ids.append(seq.token_ids)

@@ -2,19 +2,23 @@
 
 It wires the three parts the earlier chapters built::
 
-    add_request(prompt) -> Sequence -> Scheduler.add       (validated: clear errors, nothing queued)
-    step():  Scheduler.schedule()  -> seqs, is_prefill     (which tokens run now)
-             ModelRunner.run(seqs) -> sampled tokens       (K/V written into the paged cache)
-             Scheduler.postprocess -> finished sequences   (num_cached_tokens, hash_blocks, EOS)
-    abort_request(request_id)                              (blocks freed, finish_reason "abort")
+    add_request(prompt) -> Sequence -> Scheduler.add         (validated: clear errors, nothing queued)
+    step():  Scheduler.schedule()        -> SchedulerOutput  (what the step does)
+             ModelRunner.execute_model() -> ModelRunnerOutput (copies, forward pass, sampling)
+             Scheduler.update_from_output -> finished seqs    (cached tokens, new tokens, releases)
+    abort_request(request_id)                                 (blocks freed, finish_reason "abort")
 
 and keeps the numbers a serving system reports: per request the time to first token and the
 tokens the prefix cache provided; for the engine the counters vLLM exports under the same
 names (prefix-cache queries, hits and hit rate, KV cache usage, preemptions, tokens).
 
-Faults. If the model or the sampler raises, the step is undone (``Scheduler.unschedule``): no
-token is recorded and the same tokens are computed again by the next step. A finished
-request's output is handed out exactly once, by the first ``step()`` that can build it.
+Faults. A step is a transaction (``course_pkg.undo``; ARCHITECTURE.md, "The step"): if
+anything raises between the first line of ``schedule`` and the last of ``update_from_output``
+-- the model, the sampler, the block manager, an interrupt -- the step's undo log is played
+backwards (``Scheduler.unschedule``), the engine is as it was before the step, and the next
+step computes the same tokens, seeded samples included. What the engine does after the step
+is committed cannot fail, except building the finished outputs (the tokenizer): those wait
+and are handed out, exactly once, by the next ``step()`` that can build them.
 
 Threads. One engine serves one thread at a time: a call from a second thread while another
 one is inside ``step``/``generate``/``add_request``/``abort_request`` raises ``RuntimeError``
@@ -25,258 +29,71 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Sequence as SequenceABC
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
+from course_pkg.engine.config import EngineConfig
 from course_pkg.engine.model_runner import ModelRunner
+from course_pkg.engine.outputs import (CompletionOutput, EngineMetrics, ModelRunnerOutput, RequestMetrics,
+                                       RequestOutput, StepInfo)
 from course_pkg.sampling_params import SamplingParams
-from course_pkg.scheduler import Scheduler
+from course_pkg.scheduler import Scheduler, SchedulerOutput
 from course_pkg.sequence import Sequence
-from course_pkg.validation import INT64_MAX, check_bool, check_choice, check_int, check_positive_int, check_token_ids
-
-
-@dataclass
-class RequestMetrics:
-    """Times (``time.perf_counter`` seconds) in the life of one request.
-
-    ``arrival_step`` and ``token_steps`` say the same in engine steps (the step that was next
-    when the request arrived; the step that sampled each token): deterministic, for notebooks.
-    """
-
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_preemptions: int = 0
-    last_token_time: float | None = None
-    inter_token_latencies: list[float] = field(default_factory=list)
-    arrival_step: int = 0
-    token_steps: list[int] = field(default_factory=list)
-
-    @property
-    def queue_time(self) -> float | None:
-        """From arrival until first scheduled (vLLM's ``request_queue_time``)."""
-        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
-
-    @property
-    def e2e_latency(self) -> float | None:
-        """From arrival until finished."""
-        return None if self.finished_time is None else self.finished_time - self.arrival_time
-
-    def record_token(self, now: float, step: int) -> None:
-        """A token was sampled for this request at ``now``, in engine step ``step``."""
-        if self.first_token_time is None:
-            self.first_token_time = now
-        else:
-            self.inter_token_latencies.append(now - self.last_token_time)
-        self.last_token_time = now
-        self.token_steps.append(step)
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        """TTFT: from arrival to the first generated token (queueing and prefill included)."""
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-
-@dataclass
-class CompletionOutput:
-    """One completion of a request (vLLM's ``CompletionOutput``): completion ``index`` of ``n``.
-
-    ``cumulative_logprob`` is the sum of the model's log-probabilities (``log_softmax`` of the
-    raw logits) of the completion's tokens.
-    """
-
-    index: int
-    text: str | None
-    token_ids: list[int]
-    cumulative_logprob: float
-    finish_reason: str
-
-
-@dataclass
-class RequestOutput:
-    """What ``generate`` returns per prompt (names as in vLLM's ``RequestOutput``).
-
-    ``outputs`` holds the request's ``n`` completions in index order; ``text``, ``token_ids``
-    and ``finish_reason`` are the first one's, so code written for ``n == 1`` reads them
-    directly. ``num_cached_tokens`` is how many prompt tokens the prefix cache provided when the
-    request was first admitted (not ``Sequence.num_cached_tokens``, which counts every token
-    computed so far). A ``finish_reason`` is ``"stop"`` (end-of-sequence token), ``"length"``
-    (``max_tokens`` or ``max_model_len`` reached) or ``"abort"`` (``abort_request``), as the
-    Scheduler decided it.
-    """
-
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    num_cached_tokens: int
-    metrics: RequestMetrics
-
-    @property
-    def text(self) -> str | None:
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def finish_reason(self) -> str:
-        return self.outputs[0].finish_reason
-
-    def __getitem__(self, key: str):  # Nano-vLLM returns dicts: out["text"], out["token_ids"]
-        return getattr(self, key)
-
-
-@dataclass(frozen=True)
-class EngineMetrics:
-    """A snapshot of the engine's counters and gauges, named as vLLM names its metrics."""
-
-    num_requests_running: int
-    num_requests_waiting: int
-    num_kvcache_blocks: int
-    kv_cache_usage_perc: float          # blocks held by sequences / all blocks, in [0, 1]
-    prefix_cache_queries: int           # tokens looked up at admission
-    prefix_cache_hits: int              # of those, tokens found in the cache
-    prefix_cache_hit_rate: float
-    num_preemptions: int
-    prompt_tokens: int                  # prompt tokens of all requests added
-    generation_tokens: int              # tokens sampled
-    prefill_kv_computed_tokens: int     # tokens prefill steps computed (cache hits excluded)
-    num_prefill_steps: int
-    num_decode_steps: int
-    num_mixed_steps: int = 0            # scheduling="mixed": steps with decodes and prompt chunks
-    num_swapped_out: int = 0            # preemption_mode="swap": victims swapped to the CPU pool
-    num_swapped_in: int = 0
-    num_swap_fallbacks: int = 0         # swap preemptions recomputed because the CPU pool was full
-    cpu_kv_cache_usage_perc: float = 0.0
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """What one ``step()`` did: deterministic, printable, for notebooks and tests.
-
-    ``scheduled`` holds ``(seq_id, first_position, num_tokens)`` per sequence, ``sampled``
-    ``(seq_id, token_id)``, ``preempted`` the sequences sent back to waiting, ``finished`` the
-    requests handed out, ``copies`` the copy-on-write ``(src, dst)`` blocks copied before the
-    forward pass. (A request's first sequence has the request's id; its forks have their own.)
-    """
-
-    step: int
-    is_prefill: bool
-    scheduled: tuple[tuple[int, int, int], ...]
-    sampled: tuple[tuple[int, int], ...]
-    preempted: tuple[int, ...]
-    finished: tuple[int, ...]
-    copies: tuple[tuple[int, int], ...] = ()
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, _, n in self.scheduled)
-
-    def describe(self, names: dict[int, str] | None = None) -> str:
-        def name(rid):
-            return names.get(rid, f"req {rid}") if names else f"req {rid}"
-
-        kind = "prefill" if self.is_prefill else "decode"
-        parts = [f"{name(r)}[{p}:{p + n}]" for r, p, n in self.scheduled]
-        n = self.num_tokens
-        text = f"step {self.step} {kind} ({n} token{'' if n == 1 else 's'}): " + (", ".join(parts) or "nothing")
-        if self.preempted:
-            text += "; preempted " + ", ".join(name(r) for r in self.preempted)
-        if self.finished:
-            text += "; finished " + ", ".join(name(r) for r in self.finished)
-        return text
+from course_pkg.validation import check_token_ids, is_int
 
 
 class LLMEngine:
     """Offline inference engine: a model, its paged KV cache, a scheduler.
 
-    ``model`` is a Hugging Face checkpoint folder (``None``: the tiny default shipped with the
-    package). The KV cache holds ``num_kvcache_blocks`` blocks when given, else as many as
-    ``kv_cache_memory_bytes`` allows (a CPU default of 256 MiB), or on a GPU what
-    ``gpu_memory_utilization`` leaves after the weights and a warm-up pass.
+    ``LLMEngine(model=None, **kwargs)``: the arguments are :class:`EngineConfig`'s, checked
+    there before anything loads (``self.engine_config`` keeps them). ``model`` is a Hugging
+    Face checkpoint folder (``None``: the tiny default shipped with the package).
 
     ``tensor_parallel_size=k > 1`` splits the model over ``k`` ranks (chapter 10,
     :mod:`course_pkg.distributed`): this process is rank 0 and keeps the one scheduler;
     ``self.model`` is then rank 0's shard, and the byte budget is per rank. Call ``close()``
-    (or use ``with LLM(...) as llm:``) to stop the worker processes.
-
-    Chapter 09's options, passed to the Scheduler: ``scheduling`` ("prefill_first" or
-    "mixed"), ``preemption_mode`` ("recompute" or "swap", with ``num_cpu_blocks`` blocks of
-    host memory; not with tensor parallelism) and ``same_step_prefix_hits``. The metrics are
-    also kept in a Prometheus registry, ``self.metrics_registry``, under vLLM's names.
+    (or use ``with LLM(...) as llm:``) to stop the worker processes. The metrics are also kept
+    in a Prometheus registry, ``self.metrics_registry``, under vLLM's names.
     """
 
-    def __init__(self, model: str | Path | None = None, *, block_size: int = 16,
-                 num_kvcache_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
-                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 max_model_len: int | None = None, attention_backend: str = "auto",
-                 device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 seed: int = 0, free_queue: str = "linked", tensor_parallel_size: int = 1,
-                 scheduling: str = "prefill_first", preemption_mode: str = "recompute",
-                 num_cpu_blocks: int | None = None, same_step_prefix_hits: bool = False):
+    def __init__(self, model: str | Path | None = None, **kwargs):
         from course_pkg.engine.metrics import PrometheusMetrics
         from course_pkg.models import default_model_path, load_config, load_model, load_tokenizer
-        from course_pkg.scheduler import SCHEDULING_POLICIES, check_preemption
 
-        # Chapter 09's options are checked before the model loads (the Scheduler checks them too).
-        check_choice("scheduling", scheduling, SCHEDULING_POLICIES)
-        check_preemption(preemption_mode, num_cpu_blocks)
-        check_bool("same_step_prefix_hits", same_step_prefix_hits)
-
-        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dtype is None:
-            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        check_positive_int("block_size", block_size)
-        check_bool("enable_prefix_caching", enable_prefix_caching)
-        check_int("seed", seed, minimum=0, maximum=INT64_MAX)
-        check_positive_int("tensor_parallel_size", tensor_parallel_size)
-        if preemption_mode == "swap" and tensor_parallel_size > 1:
-            raise ValueError("preemption_mode='swap' is not supported with tensor_parallel_size > 1 "
-                             "(every rank would have to swap its shard of the cache); use 'recompute'")
-        if tensor_parallel_size == 1:
+        cfg = self.engine_config = EngineConfig(model=model, **kwargs)
+        device, dtype = cfg.torch_device, cfg.torch_dtype
+        k = cfg.tensor_parallel_size
+        if k == 1:
             self.model, self.config, self.tokenizer = load_model(model, dtype=dtype, device=device)
         else:       # the ranks load their own shards; rank 0 needs the config and tokenizer only
             from course_pkg.distributed import check_tensor_parallel_size
             path = default_model_path() if model is None else Path(model)
             self.config, self.tokenizer = load_config(path), load_tokenizer(path)
-            check_tensor_parallel_size(tensor_parallel_size, self.config, device.type)
-        limit = self.config.max_position_embeddings
-        if max_model_len is None:
-            max_model_len = limit
-        else:
-            check_int("max_model_len", max_model_len, minimum=2, maximum=limit)
-        self.max_model_len = max_model_len
+            check_tensor_parallel_size(k, self.config, device.type)
+        self.max_model_len = max_model_len = cfg.check_against_model(self.config)
         runner_kwargs = dict(
-            block_size=block_size, num_kvcache_blocks=num_kvcache_blocks,
-            kv_cache_memory_bytes=kv_cache_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
-            attention_backend=attention_backend, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, seed=seed)
-        if tensor_parallel_size == 1:
+            block_size=cfg.block_size, num_kvcache_blocks=cfg.num_kvcache_blocks,
+            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes, gpu_memory_utilization=cfg.gpu_memory_utilization,
+            attention_backend=cfg.attention_backend, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=max_model_len, seed=cfg.seed)
+        if k == 1:
             self.model_runner = ModelRunner(self.model, self.config, **runner_kwargs,
-                                            num_cpu_blocks=num_cpu_blocks if preemption_mode == "swap" else 0)
+                                            num_cpu_blocks=cfg.num_cpu_blocks or 0)
         else:
-            from course_pkg.distributed import TensorParallelModelRunner
+            from course_pkg.engine.tensor_parallel_runner import TensorParallelModelRunner
             self.model_runner = TensorParallelModelRunner.launch(
-                path, self.config, tensor_parallel_size, device=device, dtype=dtype, **runner_kwargs)
+                path, self.config, k, device=device, dtype=dtype, **runner_kwargs)
             self.model = self.model_runner.model
         eos = stop_token_ids(model, self.config, self.tokenizer)
         self.scheduler = Scheduler(
-            self.model_runner.num_kvcache_blocks, block_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, eos_token_id=eos, free_queue=free_queue,
-            scheduling=scheduling, preemption_mode=preemption_mode, num_cpu_blocks=num_cpu_blocks,
-            same_step_prefix_hits=same_step_prefix_hits)
-        self.block_size = block_size
+            self.model_runner.num_kvcache_blocks, cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_model_len,
+            enable_prefix_caching=cfg.enable_prefix_caching, eos_token_id=eos, free_queue=cfg.free_queue,
+            scheduling=cfg.scheduling, preemption_mode=cfg.preemption_mode, num_cpu_blocks=cfg.num_cpu_blocks,
+            same_step_prefix_hits=cfg.same_step_prefix_hits)
+        self.block_size = cfg.block_size
         self.num_steps = 0
         self.last_step: StepInfo | None = None
         self._requests: dict[int, _Request] = {}     # every request not yet handed out
@@ -338,11 +155,14 @@ class LLMEngine:
             if not token_ids:
                 raise ValueError(f"prompt {prompt!r} is empty: it encodes to no tokens")
             check_token_ids(f"the token ids of prompt {prompt!r}", token_ids, self.config.vocab_size)
-        else:
+        elif isinstance(prompt, SequenceABC) and not isinstance(prompt, (bytes, bytearray)):
             token_ids = list(prompt)
             if not token_ids:
                 raise ValueError("prompt is empty: a request needs at least one token")
             check_token_ids("prompt", token_ids, self.config.vocab_size)
+        else:
+            raise TypeError(f"a prompt is a str or a list of token ids (ints), got {type(prompt).__name__}"
+                            + (": decode bytes to a str first" if isinstance(prompt, (bytes, bytearray)) else ""))
         return Sequence(token_ids, sampling_params, block_size=self.block_size)
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> int:
@@ -351,6 +171,7 @@ class LLMEngine:
             return self._add_all([self.make_sequence(prompt, sampling_params)], [prompt])[0]
 
     def _add_all(self, seqs: list[Sequence], prompts: list) -> list[int]:
+        self.model_runner.check_usable()
         self.scheduler.add_all(seqs)   # checks every one first; queues all or none
         now = time.perf_counter()
         for seq, prompt in zip(seqs, prompts):
@@ -365,6 +186,8 @@ class LLMEngine:
         A request that has already finished, but whose output no ``step()`` handed out yet,
         is returned as it finished. Raises ``KeyError`` for an unknown or handed-out request.
         """
+        if not is_int(request_id):
+            raise TypeError(f"a request id is an int, got {type(request_id).__name__} {request_id!r}")
         with self._exclusive():
             if request_id not in self._requests:
                 raise KeyError(f"no unfinished request with id {request_id}")
@@ -400,65 +223,66 @@ class LLMEngine:
     # ---------------------------------------------------------------- one step
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and postprocess one step; return the requests that finished in it."""
+        """Run one step, a transaction; return the requests that finished in it."""
         with self._exclusive():
-            seqs, is_prefill = self.scheduler.schedule()
-            scheduled = tuple((s.seq_id, s.num_cached_tokens, s.num_scheduled_tokens) for s in seqs)
-            preempted = tuple(s.seq_id for s in self.scheduler.preempted)
-            copies = tuple(self.scheduler.blocks_to_copy)
-            self._note_scheduled(seqs, preempted, time.perf_counter())
-            token_ids, finished = self._run(seqs, copies)
-            self._note_tokens(seqs, token_ids, time.perf_counter())
-            outputs = self._hand_out(finished)
+            sched = self.scheduler
+            sched.unschedule()   # finishes a rollback that an interrupt cut short (usually nothing)
+            out = sched.schedule()   # if this raises, it undid itself
+            try:
+                result = self.model_runner.execute_model(out, sched.undo_log)
+                finished = sched.update_from_output(out, result)
+            except BaseException:
+                sched.unschedule(out)
+                raise
+            # The step is committed. What follows is the engine's own record of it.
+            self._note_step(out, result, time.perf_counter())
+            ready = self._mark_ready(finished)
             self.last_step = StepInfo(
-                step=self.num_steps, is_prefill=is_prefill, scheduled=scheduled,
-                sampled=tuple((s.seq_id, t) for s, t in zip(seqs, token_ids) if t is not None),
-                preempted=preempted, finished=tuple(out.request_id for out in outputs), copies=copies)
+                step=self.num_steps, is_prefill=out.is_prefill,
+                scheduled=tuple(zip((s.seq_id for s in out.seqs), out.num_computed_tokens, out.num_scheduled_tokens)),
+                sampled=tuple((s.seq_id, t[0] if len(t) == 1 else list(t))
+                              for s, t in zip(out.seqs, result.sampled_token_ids) if t),
+                preempted=tuple(s.seq_id for s in out.preempted), finished=tuple(ready),
+                copies=out.blocks_to_copy)
             self.num_steps += 1
+            outputs = self._hand_out()
             self._observe_finished(outputs)
             return outputs
 
-    def _run(self, seqs: list[Sequence], copies: tuple[tuple[int, int], ...]):
-        """The step's block copies, its forward pass and its bookkeeping: ``(tokens, finished)``.
-
-        If any of it raises, ``unschedule`` undoes the step (nothing was recorded) and the next
-        step computes the same tokens again. The copies come first, every read of a block
-        before any write into it: a block freed by a preemption in this step may already be a
-        copy's or a swap-in's destination (chapter 09).
-        """
-        runner = self.model_runner
-        try:
-            runner.swap_out(self.scheduler.blocks_to_swap_out)
-            runner.copy_blocks(list(copies))   # copy-on-write, before the forward pass
-            runner.swap_in(self.scheduler.blocks_to_swap_in)
-            token_ids, logprobs = runner.run_with_logprobs(seqs)
-            return token_ids, self.scheduler.postprocess(seqs, token_ids, logprobs)
-        except BaseException:
-            self.scheduler.unschedule(seqs)
-            raise
-
-    def _note_tokens(self, seqs: list[Sequence], token_ids: list, now: float) -> None:
+    def _note_step(self, out: SchedulerOutput, result: ModelRunnerOutput, now: float) -> None:
+        """Per request: preemptions, the first schedule (and the prefix-cache hit then), token times."""
+        for seq in out.preempted:
+            self._requests[seq.request_id].metrics.num_preemptions += 1
         sampled_requests = set()   # a request's completions sample together: one token time per step
-        for seq, token in zip(seqs, token_ids):
-            if token is None or seq.request_id in sampled_requests:
+        for seq, computed, tokens in zip(out.seqs, out.num_computed_tokens, result.sampled_token_ids):
+            req = self._requests[seq.request_id]
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+                req.num_cached_tokens = computed   # the prefix-cache hit at admission
+            if not tokens or seq.request_id in sampled_requests:
                 continue
             sampled_requests.add(seq.request_id)
-            metrics = self._requests[seq.request_id].metrics
-            first = metrics.first_token_time is None
-            metrics.record_token(now, self.num_steps)
-            self.prometheus.observe_token(metrics.time_to_first_token if first else None,
-                                          None if first else metrics.inter_token_latencies[-1])
+            first = req.metrics.first_token_time is None
+            req.metrics.record_token(now, self.num_steps)
+            self.prometheus.observe_token(req.metrics.time_to_first_token if first else None,
+                                          None if first else req.metrics.inter_token_latencies[-1])
 
-    def _hand_out(self, finished: list[Sequence]) -> list[RequestOutput]:
-        """The outputs of the requests whose every completion has finished, each exactly once.
-
-        Every output is built before any is handed out: if the tokenizer raises, they all stay
-        pending and the next step hands them out.
-        """
+    def _mark_ready(self, finished: list[Sequence]) -> list[int]:
+        """Note the requests whose every completion has finished; returns their ids."""
+        ready = []
         for seq in finished:
             rid = seq.request_id
             if rid not in self._ready and all(s.is_finished for s in self._completions(rid)):
                 self._ready.append(rid)
+                ready.append(rid)
+        return ready
+
+    def _hand_out(self) -> list[RequestOutput]:
+        """The outputs of the ready requests, each exactly once.
+
+        Every output is built before any is handed out: if the tokenizer raises, they all stay
+        ready and the next step hands them out.
+        """
         outputs = [self._make_output(rid) for rid in self._ready]
         for rid in self._ready:
             del self._requests[rid]
@@ -469,15 +293,6 @@ class LLMEngine:
         for out in outputs:
             self.prometheus.observe_finished(out.metrics.e2e_latency, out.metrics.queue_time)
         self.prometheus.update(self.get_metrics())
-
-    def _note_scheduled(self, seqs: list[Sequence], preempted: tuple[int, ...], now: float) -> None:
-        for seq in self.scheduler.preempted:
-            self._requests[seq.request_id].metrics.num_preemptions += 1
-        for seq in seqs:
-            req = self._requests[seq.request_id]
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
-                req.num_cached_tokens = seq.num_cached_tokens   # the prefix-cache hit at admission
 
     def _make_output(self, request_id: int) -> RequestOutput:
         req = self._requests[request_id]

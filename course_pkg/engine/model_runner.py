@@ -17,12 +17,14 @@ For every step it builds the flat batch the model runs (see ``course_pkg.models`
   ``cu_seqlens_q``, which the attention reads the cache with.
 
 Only sequences whose step reaches their last token produce logits and a sampled token; a
-chunk in the middle of a prompt only fills the cache.
+chunk in the middle of a prompt only fills the cache. ``execute_model`` performs one
+``SchedulerOutput``: the block copies, then the forward pass, then sampling.
 """
 from __future__ import annotations
 
 import torch
 
+from course_pkg.engine.outputs import ModelRunnerOutput
 from course_pkg.engine.sampler import Sampler
 from course_pkg.models import AttentionMetadata
 from course_pkg.sequence import Sequence
@@ -169,7 +171,28 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def check_usable(self) -> None:
+        """Raise if this runner can take no more work (a closed tensor-parallel runner can't)."""
+
     # ---------------------------------------------------------------- one step
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output, undo_log=None) -> ModelRunnerOutput:
+        """Perform one step as the scheduler decided it: its block copies, every read of a
+        block before any write into it (a block freed by a preemption in this step may already
+        be a copy's destination), then the forward pass and the sampling.
+
+        ``undo_log``: the step's log. It learns that K/V are being overwritten from here on,
+        and it records the sampler's generator states, so an undone step samples the same.
+        """
+        out = scheduler_output
+        if undo_log is not None:
+            undo_log.kv_written = True
+        self.swap_out(list(out.blocks_to_swap_out))
+        self.copy_blocks(list(out.blocks_to_copy))   # copy-on-write, before the forward pass
+        self.swap_in(list(out.blocks_to_swap_in))
+        tokens, logprobs = self.run_with_logprobs(list(out.seqs), list(out.num_samples), undo_log)
+        return ModelRunnerOutput(sampled_token_ids=tokens, logprobs=logprobs)
 
     def prepare(self, seqs: list[Sequence]):
         """The flat batch of one step: ``(input_ids, positions, attn, logits_rows, sample_seqs)``.
@@ -228,21 +251,29 @@ class ModelRunner:
                 tensor(logits_rows, torch.long), sample_seqs)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> list[int | list[int] | None]:
-        """Compute the scheduled tokens of ``seqs``; one sampled token per sequence (a list of
-        ``seq.num_samples`` for a sequence about to fork), or None for a sequence that computed
-        only a chunk of its prompt."""
+    def run(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Compute the scheduled tokens of ``seqs``; per sequence the list of its sampled tokens
+        (``seq.num_samples`` of them; none for a sequence that computed only a chunk of its prompt)."""
         return self.run_with_logprobs(seqs)[0]
 
     @torch.inference_mode()
-    def run_with_logprobs(self, seqs: list[Sequence]):
-        """``run``, plus the log-probability of each sampled token, in the same shape."""
+    def run_with_logprobs(self, seqs: list[Sequence], num_samples: list[int] | None = None, undo_log=None):
+        """``run``, plus the log-probabilities of the sampled tokens, in the same shape.
+
+        ``num_samples`` (the scheduler's decision, ``SchedulerOutput.num_samples``; default each
+        sequence's own ``num_samples``) says how many tokens to sample per sequence that reaches
+        its last token.
+        """
         if not seqs:
             return [], []
+        if num_samples is None:
+            num_samples = [seq.num_samples for seq in seqs]
         logits, sample_seqs = self._forward(seqs)
-        tokens, logprobs = self.sampler.sample(logits, sample_seqs) if sample_seqs else ([], [])
+        counts = {id(seq): n for seq, n in zip(seqs, num_samples)}
+        tokens, logprobs = (self.sampler.sample(logits, sample_seqs, [counts[id(s)] for s in sample_seqs], undo_log)
+                            if sample_seqs else ([], []))
         by_seq = {id(seq): (t, lp) for seq, t, lp in zip(sample_seqs, tokens, logprobs)}
-        results = [by_seq.get(id(seq), (None, None)) for seq in seqs]
+        results = [by_seq.get(id(seq), ([], [])) for seq in seqs]
         return [t for t, _ in results], [lp for _, lp in results]
 
     @torch.inference_mode()

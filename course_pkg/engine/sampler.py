@@ -11,7 +11,11 @@
 
 Randomness is seeded: the engine's generator (``seed``) serves every request, and a request
 with ``SamplingParams(seed=...)`` gets a generator of its own, so its tokens do not depend on
-which other requests share its batches.
+which other requests share its batches. A step's draws are undoable: with the step's undo log
+given, each generator's state is recorded before it draws (a redone step draws the same).
+
+``temperature`` below ``GREEDY_BELOW`` (1e-5, vLLM's sampling epsilon) is served as greedy:
+dividing float32 logits by such a temperature overflows, and the arg-max is what it means.
 """
 from __future__ import annotations
 
@@ -20,6 +24,9 @@ import weakref
 import torch
 
 from course_pkg.sequence import Sequence
+
+#: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``).
+GREEDY_BELOW = 1e-5
 
 
 def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -30,7 +37,9 @@ def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p.unsqueeze(1), 0.0)
+    drop = mass_before >= top_p.unsqueeze(1)
+    drop[:, 0] = False   # the most likely token stays, however small top_p is (or rounds to in float32)
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
@@ -46,55 +55,61 @@ class Sampler:
         self._seq_generators: weakref.WeakKeyDictionary[Sequence, dict[int, torch.Generator]] = \
             weakref.WeakKeyDictionary()
 
-    def _generator(self, seq: Sequence, index: int) -> torch.Generator:
-        """Completion ``index`` of ``seq``'s request draws from ``seed + index``."""
+    def _generator(self, seq: Sequence, index: int, undo_log=None) -> torch.Generator:
+        """Completion ``index`` of ``seq``'s request draws from ``seed + index``. With the step's
+        ``undo_log``, the generator's state before this draw is recorded (a generator made now
+        is forgotten by the undo: the redone step makes it again from its seed)."""
         seed = seq.sampling_params.seed
         if seed is None:
-            return self.generator
-        per_index = self._seq_generators.setdefault(seq.parent or seq, {})
-        gen = per_index.get(index)
-        if gen is None:
-            gen = per_index[index] = torch.Generator(device=self.device).manual_seed(seed + index)
+            gen = self.generator
+        else:
+            per_index = self._seq_generators.setdefault(seq.parent or seq, {})
+            gen = per_index.get(index)
+            if gen is None:
+                gen = per_index[index] = torch.Generator(device=self.device).manual_seed(seed + index)
+                if undo_log is not None:
+                    undo_log.record(lambda: per_index.pop(index))
+                return gen
+        if undo_log is not None:
+            undo_log.record(lambda state=gen.get_state(): gen.set_state(state))
         return gen
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | list[int]]:
-        """``logits``: ``[len(seqs), vocab]``; one token id per sequence (``num_samples`` for a
-        sequence about to fork: a list)."""
-        return self.sample(logits, seqs)[0]
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """``logits``: ``[len(seqs), vocab]``; one token id per sequence (each samples one)."""
+        return [tokens[0] for tokens in self.sample(logits, seqs, [1] * len(seqs))[0]]
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
-        """``(tokens, logprobs)``: per sequence a token and its log-probability under the
-        model (``log_softmax`` of the raw logits), or lists of ``seq.num_samples`` of them."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], num_samples: list[int] | None = None,
+               undo_log=None) -> tuple[list[list[int]], list[list[float]]]:
+        """``(tokens, logprobs)``: per sequence a list of ``num_samples`` tokens (default
+        ``seq.num_samples``) and their log-probabilities under the model (``log_softmax`` of the
+        raw logits). Completion ``j`` of a forking sequence draws as completion ``index + j``."""
         if logits.shape[0] != len(seqs):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(seqs)} sequences")
+        if num_samples is None:
+            num_samples = [seq.num_samples for seq in seqs]
         if not seqs:
             return [], []
         # One target per token to draw: (sequence, completion index, logits row).
-        targets = [(seq, seq.index + j, row) for row, seq in enumerate(seqs) for j in range(seq.num_samples)]
+        targets = [(seq, seq.index + j, row) for row, (seq, n) in enumerate(zip(seqs, num_samples))
+                   for j in range(n)]
         logits = logits.float()
         rows_of = torch.tensor([row for _, _, row in targets], device=logits.device)
-        tokens = self._draw(logits[rows_of], targets)
+        tokens = self._draw(logits[rows_of], targets, undo_log)
         logprobs = torch.log_softmax(logits, dim=-1)[rows_of, torch.tensor(tokens, device=logits.device)].tolist()
-        out_tokens: list = []
-        out_logprobs: list = []
+        out_tokens, out_logprobs = [], []
         k = 0
-        for seq in seqs:
-            n = seq.num_samples
-            if n == 1:
-                out_tokens.append(tokens[k])
-                out_logprobs.append(logprobs[k])
-            else:
-                out_tokens.append(tokens[k:k + n])
-                out_logprobs.append(logprobs[k:k + n])
+        for n in num_samples:
+            out_tokens.append(tokens[k:k + n])
+            out_logprobs.append(logprobs[k:k + n])
             k += n
         return out_tokens, out_logprobs
 
-    def _draw(self, rows: torch.Tensor, targets) -> list[int]:
+    def _draw(self, rows: torch.Tensor, targets, undo_log=None) -> list[int]:
         """One token per target; ``rows[i]`` are the float32 logits of target ``i``."""
         tokens = rows.argmax(dim=-1)
-        sampled = [i for i, (seq, _, _) in enumerate(targets) if seq.temperature > 0]
+        sampled = [i for i, (seq, _, _) in enumerate(targets) if seq.temperature >= GREEDY_BELOW]
         if sampled:
             idx = torch.tensor(sampled, device=rows.device)
             temperature = torch.tensor([targets[i][0].temperature for i in sampled], device=rows.device)
@@ -106,11 +121,11 @@ class Sampler:
             shared = [j for j, i in enumerate(sampled) if targets[i][0].sampling_params.seed is None]
             if shared:
                 noise[shared] = torch.empty((len(shared), probs.shape[1]), device=probs.device).exponential_(
-                    generator=self.generator)
+                    generator=self._generator(targets[sampled[shared[0]]][0], 0, undo_log))
             for j, i in enumerate(sampled):
                 seq, index, _ = targets[i]
                 if seq.sampling_params.seed is not None:
-                    noise[j].exponential_(generator=self._generator(seq, index))
+                    noise[j].exponential_(generator=self._generator(seq, index, undo_log))
             # (clamped: a zero draw would turn a filtered 0 / 0 into NaN)
             tokens[idx] = (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)
         return tokens.tolist()

@@ -33,13 +33,13 @@ PRIVATE_MEMBERS: dict[tuple[str, str], str] = {
     ("course_pkg.block_manager:BlockManager", "_holders"): "keep_private_guards (below)",
     ("course_pkg.block_manager:BlockManager", "_needs_copy_on_write"):
         "mutants NoCopyOnWriteBlockManager, CopyExclusiveBlockManager; solution of fork_cow",
-    ("course_pkg.scheduler:Scheduler", "_schedule_prefill"): "mutants.DecodeFirstScheduler; solution of scheduler",
-    ("course_pkg.scheduler:Scheduler", "_schedule_decode"):
-        "mutants PreemptOldestScheduler (a copy with one change), DecodeFirstScheduler; solution of scheduler",
-    ("course_pkg.scheduler:Scheduler", "_schedule_mixed"):
-        "stubs.StudentMixedScheduler; mutants PromptsFirstMixedScheduler, BudgetIgnoredMixedScheduler; solution of mixed",
-    ("course_pkg.scheduler:Scheduler", "_schedule_prompt_chunks"):
-        "stubs.StudentMixedScheduler; mutants (all three of lab mixed); solution of mixed",
+    ("course_pkg.scheduler:Scheduler", "_schedule_decodes"):
+        "stubs.StudentScheduler; mutants DecodeFirstScheduler, PromptsFirstMixedScheduler, "
+        "BudgetIgnoredMixedScheduler (policies); solution of scheduler",
+    ("course_pkg.scheduler:Scheduler", "_schedule_prompts"):
+        "stubs.StudentMixedScheduler; mutants (all three of lab mixed, DecodeFirstScheduler); solution of mixed",
+    ("course_pkg.scheduler:Scheduler", "_choose_victim"): "mutants.PreemptOldestScheduler; solution of scheduler",
+    ("course_pkg.scheduler:Scheduler", "_schedule_tokens"): "stubs (docstrings: how to schedule a sequence)",
     ("course_pkg.scheduler:Scheduler", "_admit"): "stubs.StudentMixedScheduler (docstring: how to admit a prompt)",
     ("course_pkg.kernels.triton_kernels", "_store_kvcache_kernel"): "solution of store_kvcache",
     ("course_pkg.kernels.triton_kernels", "_block_and_offset"): "solution of paged_attention",

@@ -10,7 +10,7 @@ sequence's ``block_table`` and ``num_cached_tokens``. (One private record, the m
 of the sequences it holds, is kept in step around a student's calls: ``hooks.keep_private_guards``.)
 
 ``expect`` compares the manager under test with a value computed by hand from the contract
-(``shared/DESIGN.md``, "the contract of the core"), not taken from the reference.
+(ARCHITECTURE.md, "The contract of the core"), not taken from the reference.
 """
 from __future__ import annotations
 

@@ -16,8 +16,9 @@ from collections import deque
 from course_pkg.block import Block
 from course_pkg.block_manager import BlockManager, NoFreeBlocksError, PrefixCacheStats
 from course_pkg.free_block_queue import FreeBlockQueue
+from course_pkg.policies import AdmissionPolicy
 from course_pkg.scheduler import Scheduler
-from course_pkg.sequence import Sequence
+from course_pkg.sequence import Sequence, SequenceStatus
 from course_pkg.swap import CpuBlockPool
 
 
@@ -474,82 +475,82 @@ class PreemptOldestScheduler(Scheduler):
     """Preempts the *oldest* sequence not yet scheduled in this step -- the one closest to
     finishing of those that wait for a token -- instead of the most recently admitted one."""
 
-    def _schedule_decode(self) -> list[Sequence]:
-        bm = self.block_manager
-        scheduled: list[Sequence] = []
-        i = 0
-        while i < len(self.running) and len(scheduled) < self.max_num_batched_tokens:
-            seq = self.running[i]
-            while not bm.can_append(seq):
-                victim = self.running[i + 1] if i + 1 < len(self.running) else seq   # the bug
-                self.preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                self.blocks_to_copy += bm.may_append(seq)
-                seq.num_scheduled_tokens = seq.num_tokens - seq.num_cached_tokens
-                scheduled.append(seq)
-                i += 1
-        return scheduled
+    def _choose_victim(self, seq: Sequence) -> Sequence:
+        at = self.running.index(seq) + 1
+        return self.running[at] if at < len(self.running) else seq   # the bug
 
 
 class PreemptToTailScheduler(Scheduler):
     """Sends a preempted sequence to the *back* of ``waiting``: it loses its turn to every
     request that arrived after it."""
 
-    def preempt(self, seq: Sequence) -> None:
-        super().preempt(seq)
-        self.waiting.remove(seq)
-        self.waiting.append(seq)
+    def preempt(self, seq: Sequence, plan) -> None:
+        super().preempt(seq, plan)
+        self.undo_log.remove(self.waiting, seq)
+        self.undo_log.append(self.waiting, seq)
+
+
+class _DecodeFirst(AdmissionPolicy):
+    name = "decode_first (a mutant)"
+
+    def schedule(self, sched, plan) -> None:
+        if sched.running and sched._schedule_decodes(plan):
+            return
+        sched._schedule_prompts(plan, sched.max_num_batched_tokens)
 
 
 class DecodeFirstScheduler(Scheduler):
     """Runs a decode step whenever anything is running; new requests wait for a step in which
     nothing decodes (no continuous batching of arrivals)."""
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        self.preempted = []
-        if self.running:
-            scheduled = self._schedule_decode()
-            if scheduled:
-                self.stats.num_decode_steps += 1
-                return scheduled, False
-        scheduled = self._schedule_prefill()
-        if scheduled:
-            self.stats.num_prefill_steps += 1
-        return scheduled, True
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.admission = _DecodeFirst()
+
+
+class _PromptsFirst(AdmissionPolicy):
+    name = "mixed, prompts first (a mutant)"
+
+    def schedule(self, sched, plan) -> None:
+        if not sched._schedule_prompts(plan, sched.max_num_batched_tokens):   # the bug: decodes wait
+            sched._schedule_decodes(plan)
 
 
 class PromptsFirstMixedScheduler(Scheduler):
     """Gives waiting prompts the whole budget first and decodes only what is left: a long
     prompt stalls every running sequence again, as in the prefill-first policy."""
 
-    def _schedule_mixed(self) -> tuple[list[Sequence], bool]:
-        prompts = self._schedule_prompt_chunks(self.max_num_batched_tokens)
-        if prompts:
-            return prompts, True            # the bug: the running sequences wait for the prompt
-        return self._schedule_decode(), False
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.admission = _PromptsFirst()
+
+
+class _BudgetIgnored(AdmissionPolicy):
+    name = "mixed, budget not shared (a mutant)"
+
+    def schedule(self, sched, plan) -> None:
+        sched._schedule_decodes(plan)
+        sched._schedule_prompts(plan, sched.max_num_batched_tokens)   # the bug: no "- decodes"
 
 
 class BudgetIgnoredMixedScheduler(Scheduler):
     """Fills the prompt chunks with the whole budget although the decodes already used part
     of it: steps hold more tokens than ``max_num_batched_tokens``."""
 
-    def _schedule_mixed(self) -> tuple[list[Sequence], bool]:
-        decodes = self._schedule_decode()
-        prompts = self._schedule_prompt_chunks(self.max_num_batched_tokens)   # the bug: no "- len(decodes)"
-        return decodes + prompts, bool(prompts)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.admission = _BudgetIgnored()
 
 
 class WholePromptsOnlyMixedScheduler(Scheduler):
     """Admits a prompt only when all of it fits in the rest of the budget: no chunking, so a
     prompt longer than the budget never starts."""
 
-    def _schedule_prompt_chunks(self, budget: int) -> list[Sequence]:
-        fitting = [s for s in self.waiting if s.num_tokens - s.num_cached_tokens <= budget]
-        if not fitting or fitting[0] is not self.waiting[0]:
-            return []
-        return super()._schedule_prompt_chunks(budget)
+    def _schedule_prompts(self, plan, budget: int) -> int:
+        head = next(iter(sorted(self.waiting, key=lambda s: s.status != SequenceStatus.RUNNING)), None)
+        if head is None or head.num_tokens - head.num_cached_tokens > budget:
+            return 0
+        return super()._schedule_prompts(plan, budget)
 
 
 # ---------------------------------------------------------------- chapter 07: arithmetic

@@ -125,9 +125,9 @@ _LABS = [
         {"preempts the oldest": f"{_M}:PreemptOldestScheduler",
          "preempted to the back of the line": f"{_M}:PreemptToTailScheduler",
          "decode before prefill": f"{_M}:DecodeFirstScheduler"},
-        ("course_pkg.scheduler:Scheduler.schedule", "course_pkg.scheduler:Scheduler._schedule_prefill",
-         "course_pkg.scheduler:Scheduler._schedule_decode", "course_pkg.scheduler:Scheduler.preempt"),
-        task="`Scheduler.schedule` and `preempt`"),
+        ("course_pkg.scheduler:Scheduler._schedule_decodes", "course_pkg.scheduler:Scheduler._choose_victim",
+         "course_pkg.scheduler:Scheduler.preempt"),
+        task="`Scheduler._schedule_decodes` and `preempt`"),
     Lab("fork_cow", "Fork and copy-on-write", 8,
         "forks share every block, the partial last one too; the first write into a shared block copies "
         "it and returns the copy (by hand); full blocks and block size 1 never copy; no free block; "
@@ -163,8 +163,8 @@ _LABS = [
         {"prompts first": f"{_M}:PromptsFirstMixedScheduler",
          "budget not shared": f"{_M}:BudgetIgnoredMixedScheduler",
          "whole prompts only": f"{_M}:WholePromptsOnlyMixedScheduler"},
-        ("course_pkg.scheduler:Scheduler._schedule_mixed", "course_pkg.scheduler:Scheduler._schedule_prompt_chunks"),
-        task="`Scheduler._schedule_mixed` and `_schedule_prompt_chunks`"),
+        ("course_pkg.policies:Mixed.schedule", "course_pkg.scheduler:Scheduler._schedule_prompts"),
+        task="`Scheduler._schedule_prompts`, the routine that fills a step with prompt tokens"),
     Lab("kv_block_bytes", "Bytes of one KV block", 7,
         "hand-computed sizes (Qwen3-0.6B, Llama-3-8B, odd shapes) and the bytes a ModelRunner allocates per block",
         "course_pkg.labs.arithmetic:kv_block_bytes", f"{_S}:student_kv_block_bytes",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from course_pkg.block import Block
 from course_pkg.block_manager import BlockManager
-from course_pkg.scheduler import Scheduler
+from course_pkg.scheduler import Scheduler, StepPlan
 from course_pkg.sequence import Sequence
 from course_pkg.swap import CpuBlockPool
 
@@ -186,33 +186,42 @@ class StudentForkBlockManager(BlockManager):
 # ---------------------------------------------------------------- chapter 06
 
 class StudentScheduler(Scheduler):
-    """Lab ``scheduler``: build each engine step (continuous batching, chunked prefill, preemption)."""
+    """Lab ``scheduler``: the decode half of each step -- continuous batching and preemption.
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """The sequences of the next step and whether it is a prefill step; set each one's
-        ``num_scheduled_tokens``, list the sequences preempted on the way in ``self.preempted``,
-        and add the copies ``may_append`` returns to ``self.blocks_to_copy``. Empty only when no
-        request waits or runs."""
+    The package's ``_schedule_prompts`` and ``PrefillFirst`` policy call these; the grader runs
+    your scheduler in lockstep with the package's.
+    """
+
+    def _schedule_decodes(self, plan: StepPlan) -> int:
+        """One token for each running sequence, oldest first (at most ``max_num_batched_tokens``
+        of them); return how many were scheduled. A sequence that cannot get the block its new
+        token needs (``block_manager.can_append``) preempts ``self._choose_victim(seq)`` until it
+        can, or preempts itself when it is the victim. Give each scheduled one its place with
+        ``block_manager.may_append`` (add the copies it returns to ``plan.blocks_to_copy``) and
+        schedule it with ``self._schedule_tokens(plan, seq, 1, decode=True)``."""
         ...
 
-    def preempt(self, seq: Sequence) -> None:
-        """Free ``seq``'s blocks and send it back to be recomputed, first in line."""
+    def preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        """Free running ``seq``'s blocks (``self.preemption.preempt(self, seq, plan)`` returns its
+        new status), take it out of ``running`` and put it first in ``waiting``; count it in
+        ``seq.num_preemptions`` and ``self.stats.num_preemptions``; list it in ``plan.preempted``.
+        (The package records each change in ``self.undo_log``; plain changes pass the grader.)"""
         ...
 
 
 class StudentMixedScheduler(Scheduler):
-    """Lab ``mixed``: vLLM v1's policy -- every running sequence decodes, then prompt chunks
-    fill what is left of the token budget (the grader builds it with ``scheduling="mixed"``)."""
+    """Lab ``mixed``: the prompt half of each step, as the mixed policy uses it -- every running
+    sequence has decoded already, prompt chunks fill what is left of the token budget (the
+    grader builds it with ``scheduling="mixed"``)."""
 
-    def _schedule_mixed(self) -> tuple[list[Sequence], bool]:
-        """One step: the decodes (``self._schedule_decode()``) first, then prompt chunks in
-        the rest of ``max_num_batched_tokens``; ``(seqs, holds prompt tokens)``."""
-        ...
-
-    def _schedule_prompt_chunks(self, budget: int) -> list[Sequence]:
-        """Prompt tokens of waiting sequences, up to ``budget`` in all, first come first served
-        (a partly prefilled prompt first); admit with ``self._admit(seq)``, chunk what does not
-        fit, move a prompt that completes to ``running``."""
+    def _schedule_prompts(self, plan: StepPlan, budget: int) -> int:
+        """Prompt tokens of waiting sequences, up to ``budget`` in all, first come first served,
+        a partly prefilled prompt (status RUNNING, still in ``waiting``) first; return the tokens
+        scheduled. Admit a new one with ``self._admit(seq, plan)`` (it needs a seat:
+        ``len(self.running) + seq.num_samples <= max_num_seqs``), schedule it with
+        ``self._schedule_tokens(plan, seq, n, decode=False)``, chunk what does not fit, move a
+        prompt that completes from ``waiting`` to ``running``, and add the tokens to
+        ``self.stats.prefill_kv_computed_tokens``."""
         ...
 
 

@@ -116,12 +116,12 @@ class WorkloadRun:
             self.scheduler.add(self.seqs[self._next_request])
             self._next_request += 1
 
-    def _fake_model(self, batch: list[Sequence]) -> list[int | None]:
+    def _fake_model(self, out) -> list[list[int]]:
+        """What the model would sample for each sequence of the step ``out``: its recorded answer."""
         tokens = []
-        for seq in batch:
-            completes = seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens
-            outputs = self.requests[self.index[seq.seq_id]].output_token_ids
-            tokens.append(outputs[seq.num_completion_tokens] if completes else None)
+        for seq, num_samples in zip(out.seqs, out.num_samples):
+            answer = self.requests[self.index[seq.seq_id]].output_token_ids
+            tokens.append([answer[seq.num_completion_tokens]] * num_samples)
         return tokens
 
     def step(self) -> str:
@@ -129,20 +129,20 @@ class WorkloadRun:
         self._hand_in()
         if self.scheduler.is_finished():
             return "idle"
-        batch, is_prefill = self.scheduler.schedule()   # never empty while work remains
+        out = self.scheduler.schedule()   # never empty while work remains
         usage = self.block_manager.kv_cache_usage
         self._usage_sum += usage
         self._usage_max = max(self._usage_max, usage)
-        for seq in batch:
+        for seq in out.seqs:
             i = self.index[seq.seq_id]
             if self.admitted_at[i] is None:
                 self.admitted_at[i] = self.num_steps
-        for seq in self.scheduler.postprocess(batch, self._fake_model(batch)):
+        for seq in self.scheduler.update_from_output(out, self._fake_model(out)):
             i = self.index[seq.seq_id]
             self.finished[i] = True
             self.finished_at[i] = self.num_steps
         self.num_steps += 1
-        return "prefill" if is_prefill else "decode"
+        return "prefill" if out.is_prefill else "decode"
 
     def run(self) -> SimResult:
         while not self.done:

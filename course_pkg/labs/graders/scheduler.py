@@ -40,24 +40,20 @@ class _Side:
     def name(self, seq) -> str:
         return self.names.get(id(seq), "<a sequence that was never added>")
 
-    def view(self, batch) -> dict[str, object]:
+    def view(self, out) -> dict[str, object]:
         s = self.scheduler
         return {
-            "batch": [self.name(q) for q in batch],
-            "scheduled tokens": [q.num_scheduled_tokens for q in batch],
-            "preempted": [self.name(q) for q in s.preempted],
+            "batch": [self.name(q) for q in out.seqs],
+            "scheduled tokens": list(out.num_scheduled_tokens),
+            "preempted": [self.name(q) for q in out.preempted],
             "waiting": [self.name(q) for q in s.waiting],
             "running": [self.name(q) for q in s.running],
             "block tables": {n: tuple(q.block_table) for n, q in self.seqs.items()},
             "statuses": {n: q.status.name for n, q in self.seqs.items()},
         }
 
-    def tokens(self, batch) -> list[int | None]:
-        out = []
-        for q in batch:
-            completes = q.num_cached_tokens + q.num_scheduled_tokens == q.num_tokens
-            out.append(self.outputs[self.name(q)][q.num_completion_tokens] if completes else None)
-        return out
+    def tokens(self, out) -> list[list[int]]:
+        return [[self.outputs[self.name(q)][q.num_completion_tokens]] * n for q, n in zip(out.seqs, out.num_samples)]
 
 
 def _drive(g: Grading, impl, requests: dict[str, tuple], *, num_blocks: int, block_size: int,
@@ -79,16 +75,15 @@ def _drive(g: Grading, impl, requests: dict[str, tuple], *, num_blocks: int, blo
             g.check(mine.scheduler.is_finished(), f"after step {step - 1} every request is done, "
                                                   f"but your scheduler still holds some")
             return
-        ref_batch, ref_prefill = ref.scheduler.schedule()
-        my_batch, my_prefill = mine.scheduler.schedule()
-        expected, got = ref.view(ref_batch), mine.view(my_batch)
-        expected["prefill step"], got["prefill step"] = ref_prefill, my_prefill
+        ref_out, my_out = ref.scheduler.schedule(), mine.scheduler.schedule()
+        expected, got = ref.view(ref_out), mine.view(my_out)
+        expected["prefill step"], got["prefill step"] = ref_out.is_prefill, my_out.is_prefill
         if expect is not None:
             expect(step, got)
         for key, value in expected.items():
             g.equal(got[key], value, f"step {step}: {key}")
-        ref_done = ref.scheduler.postprocess(ref_batch, ref.tokens(ref_batch))
-        my_done = mine.scheduler.postprocess(my_batch, mine.tokens(my_batch))
+        ref_done = ref.scheduler.update_from_output(ref_out, ref.tokens(ref_out))
+        my_done = mine.scheduler.update_from_output(my_out, mine.tokens(my_out))
         g.equal([mine.name(q) for q in my_done], [ref.name(q) for q in ref_done], f"step {step}: finished")
     g.fail(f"not finished after {max_steps} steps")
 

@@ -199,6 +199,9 @@ class TensorParallelModelRunner(ModelRunner):
         if dead:
             raise RuntimeError(f"tensor-parallel worker(s) {', '.join(dead)} died: close() this LLM")
 
+    def check_usable(self) -> None:
+        self._check_usable()
+
     def trace_next_step(self) -> None:
         """Record, on every rank, what the next step does (read it with :meth:`report`)."""
         self._trace_next = True
@@ -229,12 +232,12 @@ class TensorParallelModelRunner(ModelRunner):
         return logits, sample_seqs
 
     @torch.inference_mode()
-    def run_with_logprobs(self, seqs):
+    def run_with_logprobs(self, seqs, num_samples=None, undo_log=None):
         """As :meth:`ModelRunner.run_with_logprobs`; a traced step also records what rank 0 sampled."""
         self._traced = False
-        tokens, logprobs = super().run_with_logprobs(seqs)
+        tokens, logprobs = super().run_with_logprobs(seqs, num_samples, undo_log)
         if self._traced:
-            sampled = [t for t in tokens if t is not None]
+            sampled = [t[0] if len(t) == 1 else t for t in tokens if t]
             self.last_trace.append(f"sampled {sampled}" if sampled else "nothing sampled (a chunk of a prompt)")
         return tokens, logprobs
 

@@ -1,0 +1,178 @@
+"""What the engine hands out and reports: outputs, metrics, one step's record (chapter 06).
+
+Names as in vLLM: ``RequestOutput`` holds a request's ``CompletionOutput``s, ``RequestMetrics``
+its times; ``EngineMetrics`` is a snapshot of the engine's counters; ``ModelRunnerOutput`` is
+what the model runner returns for a step. ``StepInfo`` is the course's own: a printable record
+of one step, for notebooks and tests.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """A step's results (vLLM v1's name): per scheduled sequence, in batch order, the
+    ``num_samples`` tokens sampled for it (empty for a prompt chunk) and their
+    log-probabilities (``log_softmax`` of the raw logits)."""
+
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[float]]
+
+
+@dataclass
+class RequestMetrics:
+    """Times (``time.perf_counter`` seconds) in the life of one request.
+
+    ``arrival_step`` and ``token_steps`` say the same in engine steps (the step that was next
+    when the request arrived; the step that sampled each token): deterministic, for notebooks.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    last_token_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
+    arrival_step: int = 0
+    token_steps: list[int] = field(default_factory=list)
+
+    @property
+    def queue_time(self) -> float | None:
+        """From arrival until first scheduled (vLLM's ``request_queue_time``)."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        """From arrival until finished."""
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    def record_token(self, now: float, step: int) -> None:
+        """A token was sampled for this request at ``now``, in engine step ``step``."""
+        if self.first_token_time is None:
+            self.first_token_time = now
+        else:
+            self.inter_token_latencies.append(now - self.last_token_time)
+        self.last_token_time = now
+        self.token_steps.append(step)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """TTFT: from arrival to the first generated token (queueing and prefill included)."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request (vLLM's ``CompletionOutput``): completion ``index`` of ``n``.
+
+    ``cumulative_logprob`` is the sum of the model's log-probabilities (``log_softmax`` of the
+    raw logits) of the completion's tokens.
+    """
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    cumulative_logprob: float
+    finish_reason: str
+
+
+@dataclass
+class RequestOutput:
+    """What ``generate`` returns per prompt (names as in vLLM's ``RequestOutput``).
+
+    ``outputs`` holds the request's ``n`` completions in index order; ``text``, ``token_ids``
+    and ``finish_reason`` are the first one's, so code written for ``n == 1`` reads them
+    directly. ``num_cached_tokens`` is how many prompt tokens the prefix cache provided when the
+    request was first admitted (not ``Sequence.num_cached_tokens``, which counts every token
+    computed so far). A ``finish_reason`` is ``"stop"`` (end-of-sequence token), ``"length"``
+    (``max_tokens`` or ``max_model_len`` reached) or ``"abort"`` (``abort_request``), as the
+    Scheduler decided it.
+    """
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int
+    metrics: RequestMetrics
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    def __getitem__(self, key: str):  # Nano-vLLM returns dicts: out["text"], out["token_ids"]
+        return getattr(self, key)
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """A snapshot of the engine's counters and gauges, named as vLLM names its metrics."""
+
+    num_requests_running: int
+    num_requests_waiting: int
+    num_kvcache_blocks: int
+    kv_cache_usage_perc: float          # blocks held by sequences / all blocks, in [0, 1]
+    prefix_cache_queries: int           # tokens looked up at admission
+    prefix_cache_hits: int              # of those, tokens found in the cache
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    prompt_tokens: int                  # prompt tokens of all requests added
+    generation_tokens: int              # tokens sampled
+    prefill_kv_computed_tokens: int     # tokens prefill steps computed (cache hits excluded)
+    num_prefill_steps: int
+    num_decode_steps: int
+    num_mixed_steps: int = 0            # scheduling="mixed": steps with decodes and prompt chunks
+    num_swapped_out: int = 0            # preemption_mode="swap": victims swapped to the CPU pool
+    num_swapped_in: int = 0
+    num_swap_fallbacks: int = 0         # swap preemptions recomputed because the CPU pool was full
+    cpu_kv_cache_usage_perc: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What one ``step()`` did: deterministic, printable, for notebooks and tests.
+
+    ``scheduled`` holds ``(seq_id, first_position, num_tokens)`` per sequence, ``sampled``
+    ``(seq_id, token_id)``, ``preempted`` the sequences sent back to waiting, ``finished`` the
+    requests handed out, ``copies`` the copy-on-write ``(src, dst)`` blocks copied before the
+    forward pass. (A request's first sequence has the request's id; its forks have their own.)
+    """
+
+    step: int
+    is_prefill: bool
+    scheduled: tuple[tuple[int, int, int], ...]
+    sampled: tuple[tuple[int, int], ...]
+    preempted: tuple[int, ...]
+    finished: tuple[int, ...]
+    copies: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, _, n in self.scheduled)
+
+    def describe(self, names: dict[int, str] | None = None) -> str:
+        def name(rid):
+            return names.get(rid, f"req {rid}") if names else f"req {rid}"
+
+        kind = "prefill" if self.is_prefill else "decode"
+        parts = [f"{name(r)}[{p}:{p + n}]" for r, p, n in self.scheduled]
+        n = self.num_tokens
+        text = f"step {self.step} {kind} ({n} token{'' if n == 1 else 's'}): " + (", ".join(parts) or "nothing")
+        if self.preempted:
+            text += "; preempted " + ", ".join(name(r) for r in self.preempted)
+        if self.finished:
+            text += "; finished " + ", ".join(name(r) for r in self.finished)
+        return text
