@@ -227,7 +227,7 @@ class _Follower:
         self.report.problems.append(what)
         return True
 
-    def _record(self, passed: bool, message: str | None, seconds: float | None = None) -> None:
+    def _add_record(self, passed: bool, message: str | None, seconds: float | None = None) -> None:
         seconds = time.monotonic() - self.started_at if seconds is None else seconds
         self.report.records.append(ScenarioRecord(self.current, passed, message, round(seconds, 3)))
 
@@ -238,7 +238,7 @@ class _Follower:
             self._stop(f"importing {self.file_name} did not finish within {self.import_limit:g} s (an endless "
                        "loop or a long computation at import time?); the grading process was stopped")
         elif self.phase == "scenario":
-            self._record(False, f"still running after {self.step_limit:g} s: the code under test did not stop "
+            self._add_record(False, f"still running after {self.step_limit:g} s: the code under test did not stop "
                                 f"when its {self.scenario_limit:g} s were up (it catches the timeout, or never "
                                 "returns to Python); the grading process was killed, so the scenarios after "
                                 "this one did not run")
@@ -258,7 +258,7 @@ class _Follower:
             self._stop(f"the grading process ended while importing {self.file_name} ({how}): a file to grade "
                        "must not exit (sys.exit, os._exit) or crash when it is imported")
         elif self.phase == "scenario":
-            self._record(False, f"the grading process ended during this scenario ({how}): graded code must "
+            self._add_record(False, f"the grading process ended during this scenario ({how}): graded code must "
                                 "return, not exit (os._exit) or crash")
             self._stop(f"grading stopped in scenario {self.current!r}: the scenarios after it did not run")
         else:
@@ -285,7 +285,7 @@ class _Follower:
             self.phase, self.current, self.started_at = "scenario", message["scenario"], now
             self.deadline = now + self.step_limit
         elif event == "end" and phase == "scenario" and message["scenario"] == self.current:
-            self._record(message["failure"] is None, message["failure"], message["seconds"])
+            self._add_record(message["failure"] is None, message["failure"], message["seconds"])
             self.phase, self.deadline = "between", now + self.step_limit
         elif event == "done" and phase == "between":
             self.report.notes = list(message["notes"])
@@ -295,7 +295,7 @@ class _Follower:
             self.report.finished = True
             return True
         elif event == "tampered" and phase == "scenario":
-            self._record(False, message["message"])
+            self._add_record(False, message["message"])
             return self._stop(f"grading stopped in scenario {self.current!r}: the graded code changed the grader")
         elif event in ("import_failed", "missing", "tampered", "grader_error", "stopped"):
             return self._stop(message["message"])
