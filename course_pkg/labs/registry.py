@@ -8,6 +8,7 @@ _G = "course_pkg.labs.graders"
 _S = "course_pkg.labs.stubs"
 _M = "course_pkg.labs.mutants"
 _K = "course_pkg.labs.kernel_labs"
+_P = "course_pkg.labs.parallel_labs"
 
 _LABS = [
     Lab("block_reset", "Block.reset: a reused block starts held, empty and unregistered", 1,
@@ -165,6 +166,22 @@ _LABS = [
          "whole prompts only": f"{_M}:WholePromptsOnlyMixedScheduler"},
         ("course_pkg.policies:Mixed.schedule", "course_pkg.scheduler:Scheduler._schedule_prompts"),
         task="`Scheduler._schedule_prompts`, the routine that fills a step with prompt tokens"),
+    Lab("tensor_parallel", "Column-, row- and vocabulary-parallel layers", 10,
+        "on 2, 3 and 4 simulated ranks (threads meeting at each all-reduce): the row-parallel output "
+        "equals the whole layer's on every rank, bias added once, one all-reduce; each rank's column slice "
+        "with no communication; column then row equals the whole product; the split embedding gives "
+        "the whole table's rows bit for bit",
+        "course_pkg.labs.parallel_labs:PackageParallelLayers", f"{_P}:StudentParallelLayers",
+        f"{_G}.tensor_parallel:grade_tensor_parallel",
+        {"bias added on every rank": f"{_P}:BiasOnEveryRankLayers",
+         "no all-reduce": f"{_P}:NoAllReduceLayers",
+         "column output all-reduced": f"{_P}:ReducedColumnLayers",
+         "other ranks' ids not zeroed": f"{_P}:UnmaskedEmbeddingLayers",
+         "ids not shifted into the slice": f"{_P}:UnshiftedEmbeddingLayers"},
+        ("course_pkg.distributed.layers:ColumnParallelLinear.forward",
+         "course_pkg.distributed.layers:RowParallelLinear.forward",
+         "course_pkg.distributed.layers:VocabParallelEmbedding.forward"),
+        task="the `forward` of `Column`, `Row` and `VocabEmbedding` (subclasses of the package's layers)"),
     Lab("kv_block_bytes", "Bytes of one KV block", 7,
         "hand-computed sizes (Qwen3-0.6B, Llama-3-8B, odd shapes) and the bytes a ModelRunner allocates per block",
         "course_pkg.labs.arithmetic:kv_block_bytes", f"{_S}:student_kv_block_bytes",
