@@ -3,7 +3,8 @@
 Each mutant is one classic mistake -- the ones the course's chapters warn about and the bugs
 Nano-vLLM fixed -- with everything else left as the package has it, so a grader that accepts a
 mutant has a blind spot exactly there. ``tests/test_labs.py`` checks that every one is rejected.
-The kernel mutants live in ``course_pkg.labs.kernel_labs`` (they need Triton).
+The kernel mutants live in ``course_pkg.labs.kernel_labs`` (they need Triton), the
+tensor-parallel ones in ``course_pkg.labs.parallel_labs`` (they need torch).
 
 The mutants of ``_match_prefix``, ``_confirms_hit``, ``_maybe_evict_cached_block``,
 ``_schedule_decode`` and the direct uses of ``_allocate_block`` depend on private steps of the
