@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
-from course_pkg.block import Block
-from course_pkg.block_manager import BlockManager, NoFreeBlocksError
+from course_pkg.block_manager import BlockManager
 from course_pkg.labs import LABS, Solution, labs_of_chapter, show_solution, show_stub, source_of
 from course_pkg.labs.hooks import PRIVATE_MEMBERS
 from course_pkg.labs.lab import resolve
@@ -39,7 +40,7 @@ def _assert_failures_name_their_scenario(report) -> None:
 def test_registry_covers_every_chapter_with_enough_labs_and_mutants():
     assert len(LABS) >= 10
     chapters = {int(p.name[:2]) for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
-    for chapter in sorted({*range(1, 8), *(chapters & set(range(1, 10)))}):   # 01-07, and 08-09 once written
+    for chapter in sorted({*range(1, 8), *(chapters & set(range(1, 11)))}):   # 01-07, and 08-10 once written
         assert labs_of_chapter(chapter), f"chapter {chapter:02d} has no lab"
     assert sum(len(lab.mutant_paths) for lab in LABS.values()) >= 16
     for lab in LABS.values():
@@ -72,142 +73,31 @@ def test_every_mutant_is_rejected_and_the_failure_names_its_scenario(name, mutan
     _assert_failures_name_their_scenario(report)
 
 
-# ------------------------------------------------------------------ correct solutions, written here
-
-class DictFreeBlockQueue:
-    """A linked free queue written with dicts, differently from the package's arrays."""
-
-    def __init__(self, num_blocks):
-        self.n = num_blocks
-        self.prev, self.next = {}, {}
-        self.first = self.last = None
-        for b in range(num_blocks):
-            self.append(b)
-
-    def __len__(self):
-        return len(self.prev)
-
-    def __iter__(self):
-        b = self.first
-        while b is not None:
-            yield b
-            b = self.next[b]
-
-    def popleft(self):
-        if self.first is None:
-            raise IndexError("empty")
-        b = self.first
-        self.remove(b)
-        return b
-
-    def append(self, b):
-        if not (isinstance(b, int) and 0 <= b < self.n) or b in self.prev:
-            raise ValueError(b)
-        self.prev[b], self.next[b] = self.last, None
-        if self.last is None:
-            self.first = b
-        else:
-            self.next[self.last] = b
-        self.last = b
-
-    def remove(self, b):
-        if b not in self.prev:
-            raise ValueError(b)
-        p, n = self.prev.pop(b), self.next.pop(b)
-        if p is None:
-            self.first = n
-        else:
-            self.next[p] = n
-        if n is None:
-            self.last = p
-        else:
-            self.prev[n] = p
+# The wrong implementations issue 18 found passing, each rejected in the scenario that tests its rule.
+ISSUE_18_MUTANTS = [
+    ("logical_blocks", "block(-1) returns []", "16 tokens, block size 16", "block(-1) must raise IndexError"),
+    ("allocate", "never counts prefix_cache_stats",
+     "prefix_cache_stats: first admissions and readmissions counted apart", "expected (1, 10, 0, 0, 0, 0), got (0, 0, 0"),
+    ("allocate", "readmissions counted as first admissions",
+     "prefix_cache_stats: first admissions and readmissions counted apart",
+     "after B's readmission: the preempted_* counters only: expected (2, 21, 8, 1, 11, 8), got (3, 32, 16, 0, 0, 0)"),
+    ("allocate", "room check ignores revived blocks", "revived blocks count against the room",
+     "allocate(B, 2) raised as it must, but changed free queue"),
+    ("free_queue", "popleft is list.pop(0) (O(n))", "popleft, append and remove cost the same", "popleft is "),
+    ("fork_cow", "fork never checks the child is a copy", "misuse is refused and changes nothing",
+     "fork(A, Z) must raise"),
+]
 
 
-class MinusOneRuleBlockManager(BlockManager):
-    """can_append / may_append by the rule "(len - 1) % block_size == 0" instead of counting the table."""
-
-    def can_append(self, seq):
-        return len(self.free_block_ids) >= ((len(seq) - 1) % self.block_size == 0)
-
-    def may_append(self, seq):
-        if (len(seq) - 1) % self.block_size == 0:
-            if not self.free_block_ids:
-                raise NoFreeBlocksError("no free block")
-            seq.block_table.append(self._allocate_block().block_id)
+@pytest.mark.parametrize(("name", "mutant", "scenario", "what"), ISSUE_18_MUTANTS,
+                         ids=[f"{n}-{m}" for n, m, _, _ in ISSUE_18_MUTANTS])
+def test_the_wrong_implementations_of_issue_18_fail_in_their_scenario(name, mutant, scenario, what):
+    report = LABS[name].grade(LABS[name].mutants[mutant])
+    failure = next((f for f in report.failures if f.startswith(scenario)), None)
+    assert failure is not None and what in failure, report.failures
 
 
-class ScratchAllocateBlockManager(BlockManager):
-    """allocate and deallocate written from the chapter's contract, not from the package's code."""
-
-    def allocate(self, seq, num_cached_blocks=0):
-        if seq.block_table:
-            raise ValueError("the sequence already has blocks")
-        hits, hashes = self._match_prefix(seq)
-        if not 0 <= num_cached_blocks <= len(hits):
-            raise ValueError("more cached blocks than the cache holds")
-        hits = hits[:num_cached_blocks]
-        revived = [b for b in hits if self.blocks[b].ref_count == 0]
-        if seq.num_blocks - len(hits) + len(revived) > len(self.free_block_ids):
-            raise NoFreeBlocksError("too few free blocks")
-        for b in hits:
-            if b in revived:
-                self.free_block_ids.remove(b)
-                self.used_block_ids.add(b)
-            self.blocks[b].ref_count += 1
-            seq.block_table.append(b)
-        while len(seq.block_table) < seq.num_blocks:
-            seq.block_table.append(self._allocate_block().block_id)
-        seq.block_hashes = hashes[:num_cached_blocks]
-        seq.num_cached_tokens = num_cached_blocks * self.block_size
-        self.prefix_cache_stats.record(seq.num_tokens, seq.num_cached_tokens)
-
-    def deallocate(self, seq):
-        if not seq.block_table:
-            raise ValueError("the sequence holds no blocks")
-        for b in seq.block_table[::-1]:
-            block = self.blocks[b]
-            block.ref_count -= 1
-            if not block.ref_count:
-                self.used_block_ids.discard(b)
-                self.free_block_ids.append(b)
-        seq.block_table = []
-        seq.block_hashes = []
-        seq.num_cached_tokens = 0
-
-
-class ScratchPrefixBlockManager(BlockManager):
-    """The lookup and the registration written as one loop each, with the package's exact-prefix helpers."""
-
-    def _match_prefix(self, seq):
-        ids, hashes, h, parent = [], [], -1, -1
-        if not self.enable_prefix_caching:
-            return ids, hashes
-        for i in range((len(seq) - 1) // self.block_size):
-            tokens = seq.block(i)
-            h = self.compute_hash(tokens, h)
-            b = self.hash_to_block_id.get(h)
-            if b is None or not self._confirms_hit(self.blocks[b], tokens, parent):
-                break
-            ids.append(b)
-            hashes.append(h)
-            parent = self.blocks[b].prefix_id
-        return ids, hashes
-
-    def hash_blocks(self, seq):
-        if not self.enable_prefix_caching:
-            return
-        full = min(seq.num_cached_tokens // self.block_size, len(seq.block_table))
-        while len(seq.block_hashes) < full:
-            i = len(seq.block_hashes)
-            tokens = seq.block(i)
-            h = self.compute_hash(tokens, seq.block_hashes[-1] if i else -1)
-            parent = self.blocks[seq.block_table[i - 1]].prefix_id if i else -1
-            block = self.blocks[seq.block_table[i]]
-            block.update(h, tokens, self._prefix_id_for(parent, tokens), parent)
-            self.hash_to_block_id[h] = block.block_id
-            seq.block_hashes.append(h)
-
+# ------------------------------------------------------------------ correct solutions, written independently
 
 class ScratchScheduler(Scheduler):
     """_schedule_decodes and preempt written from chapter 06's rules, with plain changes."""
@@ -236,71 +126,40 @@ class ScratchScheduler(Scheduler):
         plan.preempted.append(seq)
 
 
-class ScratchForkBlockManager(BlockManager):
-    """fork and copy-on-write written from chapter 08's rules."""
-
-    def fork(self, parent, child):
-        if not parent.block_table or child.block_table or child.token_ids != parent.token_ids:
-            raise ValueError("fork needs a parent with blocks and a blockless copy of it")
-        for b in parent.block_table:
-            self.blocks[b].ref_count += 1
-        child.block_table = parent.block_table.copy()
-        child.block_hashes = parent.block_hashes.copy()
-
-    def may_append(self, seq):
-        last = self.blocks[seq.block_table[-1]]
-        shared_partial = len(seq.block_table) == seq.num_blocks and last.ref_count > 1
-        if not shared_partial and len(seq.block_table) == seq.num_blocks:
-            return []
-        if not self.free_block_ids:
-            raise NoFreeBlocksError("no free block")
-        fresh = self._allocate_block()
-        if shared_partial:
-            last.ref_count -= 1
-            seq.block_table[-1] = fresh.block_id
-            return [(last.block_id, fresh.block_id)]
-        seq.block_table.append(fresh.block_id)
-        return []
 
 
-class SimpleBlock(Block):
-    def reset(self):
-        Block.__init__(self, self.block_id)   # empty, unregistered, whatever fields Block has
-        self.ref_count = 1
 
 
-class ArithmeticSequence(Sequence):
-    @property
-    def num_blocks(self):
-        return -(-self.num_tokens // self.block_size)
-
-    @property
-    def last_block_num_tokens(self):
-        return (self.num_tokens - 1) % self.block_size + 1
-
-    def block(self, i):
-        if not 0 <= i < self.num_blocks:
-            raise IndexError(i)
-        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
 
 def _kernel_lab(attr):
     return getattr(importlib.import_module("course_pkg.labs.kernel_labs"), attr)
 
 
+#: One file per lab in tests/lab_solutions/, each defining the stub's name, as a student's file would.
+SOLUTION_FILES = sorted((ROOT / "tests" / "lab_solutions").glob("*.py"))
+
+
+def _solution_from_file(path: Path):
+    spec = importlib.util.spec_from_file_location(f"lab_solution_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, LABS[path.stem].stub_path.rpartition(":")[2])
+
+
+@pytest.mark.parametrize("path", SOLUTION_FILES, ids=lambda p: p.stem)
+def test_a_correct_solution_written_independently_passes(path):
+    report = LABS[path.stem].grade(_solution_from_file(path))
+    assert report.passed, str(report)
+
+
+def test_every_block_lab_has_a_solution_file():
+    kept_here = {"scheduler", "mixed", "store_kvcache", "paged_attention"}     # solved in this file, or not yet
+    assert {p.stem for p in SOLUTION_FILES} == set(LABS) - kept_here
+
+
 @pytest.mark.parametrize(("name", "solution"), [
-    ("free_queue", lambda: DictFreeBlockQueue),
-    ("append", lambda: MinusOneRuleBlockManager),
-    ("allocate", lambda: ScratchAllocateBlockManager),
-    ("release_order", lambda: type("ScratchRelease", (BlockManager,),
-                                   {"deallocate": ScratchAllocateBlockManager.deallocate})),
-    ("prefix_caching", lambda: ScratchPrefixBlockManager),
     ("scheduler", lambda: ScratchScheduler),
-    ("fork_cow", lambda: ScratchForkBlockManager),
-    ("block_reset", lambda: SimpleBlock),
-    ("logical_blocks", lambda: ArithmeticSequence),
-    ("kv_block_bytes", lambda: lambda bs, layers, heads, dim, nbytes: bs * layers * heads * dim * nbytes * 2),
-    ("fragmentation", lambda: lambda tokens, bs: sum((bs - n % bs) % bs for n in tokens)),
     ("store_kvcache", lambda: _kernel_lab("store_lab_shaped")),        # a kernel of the lab's shape
     ("paged_attention", lambda: _kernel_lab("decode_lab_shaped")),
 ])
@@ -311,10 +170,15 @@ def test_a_correct_solution_written_differently_passes(name, solution):
 
 # ------------------------------------------------------------------ the measured gates
 
-def test_the_free_queue_gate_alone_rejects_an_o_n_remove():
-    report = LABS["free_queue"].grade(LABS["free_queue"].mutants["deque.remove (O(n))"])
-    assert len(report.failures) == 1 and report.failures[0].startswith("remove costs the same"), report.failures
-    assert re.search(r"ratio \d+\.\d+", " ".join(report.notes))
+@pytest.mark.parametrize(("mutant", "op"), [("deque.remove (O(n))", "remove"), ("popleft is list.pop(0) (O(n))", "popleft"),
+                                           ("append scans the queue (O(n))", "append")])
+def test_the_free_queue_gate_alone_rejects_an_o_n_operation(mutant, op):
+    report = LABS["free_queue"].grade(LABS["free_queue"].mutants[mutant])
+    assert len(report.failures) == 1, report.failures
+    assert report.failures[0].startswith("popleft, append and remove cost the same at 1,000 and 100,000 blocks: "
+                                          f"{op} is "), report.failures
+    assert [o for o in ("popleft", "append", "remove") if f"{o} is " in report.failures[0]] == [op]
+    assert len(re.findall(r"ratio \d+\.\d+", " ".join(report.notes))) == 3
 
 
 def test_the_prefix_caching_lab_reports_the_saving_and_requires_the_references():
@@ -383,9 +247,132 @@ def test_cli_lists_every_lab_and_grades_a_file(tmp_path):
     failed = _cli("fragmentation", str(bad), "--name", "frag")
     assert failed.returncode == 1 and "one token in a block of 16: internal_fragmentation([1], 16)" in failed.stdout
     missing = _cli("fragmentation", str(bad))
-    assert missing.returncode != 0 and "defines no 'student_internal_fragmentation'" in missing.stderr
+    assert missing.returncode == 1 and "defines no 'student_internal_fragmentation'" in missing.stdout
     unknown = _cli("no_such_lab", str(good))
     assert unknown.returncode == 2 and "no lab named" in unknown.stderr
+
+
+# The command line grades in a child process it can kill: a file that exits, crashes, loops, swallows
+# the timeout or patches the grader fails, with a message, within its limits. (Short limits keep these fast.)
+_SEQ = "from course_pkg.sequence import Sequence\n"
+_METHOD = _SEQ + "class StudentSequence(Sequence):\n    @property\n    def num_blocks(self):\n"
+CLI_CASES = {
+    "sys.exit(0) at import": (_SEQ + "class StudentSequence(Sequence): pass\nimport sys\nsys.exit(0)\n",
+                              "importing case.py raised SystemExit: 0 (line 4 of case.py); a file to grade must not exit"),
+    "os._exit(0) at import": (_SEQ + "class StudentSequence(Sequence): pass\nimport os\nos._exit(0)\n",
+                              "the grading process ended while importing case.py (exit status 0)"),
+    "KeyboardInterrupt at import": (_SEQ + "raise KeyboardInterrupt\n", "importing case.py raised KeyboardInterrupt"),
+    "sys.exit(0) in a method": (_METHOD + "        import sys; sys.exit(0)\n",
+                                "1 token, block size 1: raised SystemExit: 0 (graded code must return, not exit)"),
+    "os._exit(0) in a method": (_METHOD + "        import os; os._exit(0)\n",
+                                "1 token, block size 1: the grading process ended during this scenario (exit status 0)"),
+    "a crash in a method": (_METHOD + "        import os, signal; os.kill(os.getpid(), signal.SIGSEGV)\n",
+                            "the grading process ended during this scenario (killed by SIGSEGV)"),
+    "KeyboardInterrupt in a method": (_METHOD + "        raise KeyboardInterrupt\n",
+                                      "1 token, block size 1: raised KeyboardInterrupt (raised by the code under test)"),
+    "Grading patched at import": ("from course_pkg.labs.lab import Grading\nGrading.fail = lambda self, what: None\n"
+                                  + _METHOD + "        return 0\n", "course_pkg.labs.lab.Grading.fail was replaced"),
+    "Lab.grade patched at import": ("from course_pkg.labs.lab import Lab, LabReport\n"
+                                    "Lab.grade = lambda self, impl: LabReport(self.name, True, [])\n"
+                                    + _METHOD + "        return 0\n", "course_pkg.labs.lab.Lab.grade was replaced"),
+    "Grading patched in a method": (_METHOD + "        from course_pkg.labs.lab import Grading\n"
+                                    "        Grading.equal = lambda *args: None\n        return 0\n",
+                                    "1 token, block size 1: the graded code changed the grader"),
+    "a forged report": ("import os\nfor fd in range(3, 30):\n    try:\n        os.write(fd, b'{\"event\": \"done\"}\\n')\n"
+                        "    except OSError:\n        pass\n" + _SEQ + "class StudentSequence(Sequence): pass\n",
+                        "the grading channel received a message the grader did not send"),
+    "an endless import": ("while True:\n    pass\n", "importing case.py did not finish within 1 s"),
+    "an endless method": (_METHOD + "        while True:\n            pass\n",
+                          "2 scenarios ran past their 1 s: the scenarios after '5 tokens, block size 1' were not run"),
+    "a swallowed timeout": (_METHOD + "        while True:\n            try:\n                while True:\n"
+                            "                    pass\n            except BaseException:\n                pass\n",
+                            "1 token, block size 1: still running after 2.1 s: the code under test did not stop"),
+}
+
+
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_cli_fails_a_file_that_exits_crashes_loops_or_patches_the_grader(case, tmp_path):
+    source, message = CLI_CASES[case]
+    path = tmp_path / "case.py"
+    path.write_text(source)
+    start = time.monotonic()
+    result = _cli("logical_blocks", str(path), "--import-limit", "1", "--scenario-limit", "1")
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout.startswith("lab logical_blocks: FAILED") and "PASSED" not in result.stdout, result.stdout
+    assert message in result.stdout, result.stdout
+    assert elapsed < 15, f"{case}: {elapsed:.1f} s"
+
+
+def test_cli_patching_lockstep_fails_and_json_has_one_record_per_scenario(tmp_path):
+    path = tmp_path / "case.py"
+    path.write_text("from course_pkg.labs import lockstep\nlockstep.Lockstep.compare = lambda self, label: None\n"
+                    "from course_pkg.block import Block\nclass StudentBlock(Block):\n    def reset(self):\n"
+                    "        self.ref_count = 0\n")
+    patched = _cli("block_reset", str(path))
+    assert patched.returncode == 1 and "course_pkg.labs.lockstep.Lockstep.compare was replaced" in patched.stdout
+    path.write_text("from course_pkg.sequence import Sequence\nclass StudentSequence(Sequence):\n"
+                    "    @property\n    def num_blocks(self):\n        return self.num_tokens // self.block_size + 1\n")
+    result = _cli("logical_blocks", str(path), "--json")
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["verdict"] == "FAILED" and report["passed"] is False and report["problems"] == []
+    by_name = {r["name"]: r for r in report["scenarios"]}
+    assert len(by_name) == len(report["scenarios"]) == 9
+    assert by_name["16 tokens, block size 16"] == {"name": "16 tokens, block size 16", "passed": False,
+                                                   "message": "num_blocks: expected 1, got 2",
+                                                   "seconds": by_name["16 tokens, block size 16"]["seconds"]}
+    assert by_name["1 token, block size 16"]["passed"] is True     # 1 // 16 + 1 == 1: right by chance
+    path.write_text("from course_pkg.sequence import Sequence as StudentSequence\n")
+    good = _cli("logical_blocks", str(path), "--json")
+    assert good.returncode == 0 and json.loads(good.stdout)["verdict"] == "PASSED", good.stdout
+    assert all(r["passed"] for r in json.loads(good.stdout)["scenarios"])
+
+
+def test_the_childs_watch_flags_replacements_and_shadowing_not_new_names():
+    """What the CLI's child counts as a patched grader: a replaced or deleted attribute, a name
+    added to a class, a module name that shadows a builtin -- not other new module names (Triton's
+    interpreter adds dozens to a kernel's module while it runs one)."""
+    import course_pkg.labs.lockstep as lockstep_module
+    from course_pkg.labs.isolation import _watch
+    from course_pkg.labs.lockstep import Lockstep
+
+    changes = _watch()
+    assert changes() == []
+    saved = Lockstep.compare
+    try:
+        lockstep_module.some_helper = object()                # harmless: nothing looks it up
+        assert changes() == []
+        Lockstep.compare = lambda self, label: None
+        Lockstep.extra = 1
+        lockstep_module.len = lambda x: 0
+        assert sorted(changes()) == ["course_pkg.labs.lockstep.Lockstep.compare was replaced",
+                                     "course_pkg.labs.lockstep.Lockstep.extra was added",
+                                     "course_pkg.labs.lockstep.len was added"]
+    finally:
+        Lockstep.compare = saved
+        del Lockstep.extra, lockstep_module.len, lockstep_module.some_helper
+    assert changes() == []
+
+
+def test_in_notebook_grading_records_exits_and_a_raised_scenario_failed_as_failures():
+    import sys as _sys
+
+    from course_pkg.labs.lab import ScenarioFailed
+
+    class Exits(Sequence):
+        @property
+        def num_blocks(self):
+            _sys.exit(0)
+
+    class EndsTheScenario(Sequence):
+        @property
+        def num_blocks(self):
+            raise ScenarioFailed
+
+    for impl, what in ((Exits, "raised SystemExit: 0"), (EndsTheScenario, "raised ScenarioFailed")):
+        report = LABS["logical_blocks"].grade(impl)
+        assert not report.passed and all(what in f for f in report.failures[:8]), report.failures
 
 
 def test_misuse_of_the_registry_is_named():
@@ -393,6 +380,72 @@ def test_misuse_of_the_registry_is_named():
         show_stub("nope")
     with pytest.raises(KeyError, match="the labs are: block_reset"):
         show_solution("nope")
+
+
+# ------------------------------------------------------------------ build first: the lab before the body
+
+#: Chapters built lab first: no cell before a lab's section shows the body the lab asks for.
+BUILD_FIRST_CHAPTERS = ("03", "08")
+
+
+def _body_lines(lab) -> list[tuple[str, list[str]]]:
+    """Per function the lab asks for (each method of a class): its statements' lines, without
+    the docstring, comments and lines too short to tell one function from another."""
+    import ast
+    import inspect
+
+    functions = []
+    for obj in lab.solution:
+        obj = getattr(obj, "fget", obj)
+        members = vars(obj).values() if isinstance(obj, type) else [obj]
+        functions += [getattr(m, "fget", m) for m in members if inspect.isfunction(getattr(m, "fget", m))]
+    units = []
+    for fn in functions:
+        source = textwrap.dedent(inspect.getsource(fn))
+        node = ast.parse(source).body[0]
+        body = node.body
+        if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            body = body[1:]
+        lines = source.splitlines()[body[0].lineno - 1:node.end_lineno] if body else []
+        lines = [line.strip() for line in lines if len(line.strip()) >= 12 and not line.strip().startswith("#")]
+        if len(lines) >= 2:
+            units.append((fn.__qualname__, lines))
+    return units
+
+
+def _shown(cell) -> str:
+    """What a reader sees of a cell: its source and its text outputs."""
+    text = [cell.source]
+    for output in cell.get("outputs", []):
+        text.append(output.get("text", ""))
+        text.append(output.get("data", {}).get("text/plain", ""))
+    return "\n".join(text)
+
+
+def _revealed(cell, units) -> list[str]:
+    """The functions of ``units`` whose body the cell shows (at least half of its lines)."""
+    text = _shown(cell)
+    return [name for name, lines in units if sum(line in text for line in lines) * 2 >= len(lines)]
+
+
+@pytest.mark.parametrize("chapter", BUILD_FIRST_CHAPTERS)
+def test_no_cell_before_a_lab_section_shows_the_body_the_lab_asks_for(chapter):
+    import nbformat
+
+    [path] = (ROOT / "notebooks").glob(f"{chapter}_*.ipynb")
+    cells = nbformat.read(path, as_version=4).cells
+    for lab in labs_of_chapter(int(chapter)):
+        units = _body_lines(lab)
+        assert units, f"lab {lab.name}: no body to look for"
+        start = next(i for i, c in enumerate(cells) if c.get("id") == f"lab-{chapter}-{lab.name}-task".replace("_", "-"))
+        if start and cells[start - 1].get("id") == f"lab-{chapter}-intro":
+            start -= 1
+        early = [(i, _revealed(c, units)) for i, c in enumerate(cells[:start])]
+        assert not [e for e in early if e[1]], f"lab {lab.name}: cells before its section show its body: {[e for e in early if e[1]]}"
+        end = start + 1 + next(i for i, c in enumerate(cells[start + 1:]) if "lab" not in c.metadata.get("tags", []))
+        after = [i for i, c in enumerate(cells[end:], end) if _revealed(c, units) and "lab" not in c.metadata.get("tags", [])]
+        assert after and after[0] == end + (cells[end].cell_type == "markdown"), \
+            f"lab {lab.name}: the package's code is not shown right after the lab (cells {after})"
 
 
 # ------------------------------------------------------------------ tools/add_lab_sections.py
@@ -431,6 +484,33 @@ def test_add_lab_sections_inserts_before_the_summary_touches_nothing_else_and_is
     nb.cells.append(nb.cells.pop(tagged[0]))
     nbformat.write(nb, path)
     assert tool.update(path) is True and path.read_text() == before
+
+
+def test_add_lab_sections_puts_a_lab_just_before_the_cell_that_reveals_its_body(tmp_path):
+    import nbformat
+
+    tool = _load_tool()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# 03 · Title"), nbformat.v4.new_markdown_cell("## 1. The idea"),
+                nbformat.v4.new_code_cell("show_source(FreeBlockQueue)", metadata={"tags": ["reveals-free_queue"]}),
+                nbformat.v4.new_markdown_cell("## Summary"), nbformat.v4.new_markdown_cell("## References")]
+    path = tmp_path / "03_lru.ipynb"
+    nbformat.write(nb, path)
+    assert tool.update(path) is True
+    cells = nbformat.read(path, as_version=4).cells
+    ids = [c.get("id") for c in cells]
+    reveal = next(i for i, c in enumerate(cells) if "reveals-free_queue" in c.metadata.get("tags", []))
+    # intro + free_queue's four cells right before the reveal; release_order's before the summary
+    assert ids[reveal - 5:reveal] == ["lab-03-intro", "lab-03-free-queue-task", "lab-03-free-queue-stub",
+                                      "lab-03-free-queue-grade", "lab-03-free-queue-solution"]
+    assert ids[reveal + 1:reveal + 5] == ["lab-03-release-order-task", "lab-03-release-order-stub",
+                                          "lab-03-release-order-grade", "lab-03-release-order-solution"]
+    assert cells[reveal + 5].source == "## Summary"
+    intro = cells[reveal - 5].source
+    assert "before you read it" in intro and "(`release_order`) comes later in the chapter" in intro
+    assert cells[reveal - 3].source.startswith("from course_pkg.labs import grade")   # imports with the first lab
+    before = path.read_text()
+    assert tool.update(path) is False and path.read_text() == before
 
 
 def test_add_lab_sections_refuses_a_notebook_without_a_summary(tmp_path):

@@ -1,21 +1,24 @@
 """Grade labs from a shell, for a classroom.
 
     python -m course_pkg.labs list                    every lab: name, chapter, what it checks
-    python -m course_pkg.labs LAB path/to/file.py     grade the file's implementation; exit 1 on failure
+    python -m course_pkg.labs LAB path/to/file.py     grade the file's implementation
+    python -m course_pkg.labs LAB file.py --json      the same, as one JSON document (autograders)
 
 The file must define the stub's name (``StudentAppendBlockManager`` for ``append``, see
-``list``) or name the object with ``--name``.
+``list``) or name the object with ``--name``. It is imported and graded in a child process
+with a wall-clock limit for the import and for each scenario (``course_pkg.labs.isolation``);
+the exit status is 0 only when the lab PASSED, 1 when it failed, 2 on a usage error.
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import json
 import sys
 import textwrap
 from pathlib import Path
 
 from course_pkg.labs import LABS
-from course_pkg.labs.lab import resolve
+from course_pkg.labs.isolation import IMPORT_LIMIT, SCENARIO_LIMIT, grade_file
 
 
 def _list() -> int:
@@ -28,15 +31,11 @@ def _list() -> int:
     return 0
 
 
-def _load(path: Path, attribute: str):
-    spec = importlib.util.spec_from_file_location(f"student_{path.stem}", path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"cannot load {path} as a Python file")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, attribute):
-        raise SystemExit(f"{path} defines no {attribute!r} (name it so, or pass --name)")
-    return getattr(module, attribute)
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds in (0, 3600]")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("lab", help="'list', or the name of a lab")
     parser.add_argument("file", nargs="?", type=Path, help="the Python file to grade")
     parser.add_argument("--name", help="the object in the file to grade (default: the stub's name)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON, one record per scenario")
+    parser.add_argument("--import-limit", type=_seconds, default=IMPORT_LIMIT, metavar="S",
+                        help=f"seconds the file may take to import (default {IMPORT_LIMIT:g})")
+    parser.add_argument("--scenario-limit", type=_seconds, default=SCENARIO_LIMIT, metavar="S",
+                        help=f"seconds each scenario may run (default {SCENARIO_LIMIT:g})")
     args = parser.parse_args(argv)
     if args.lab == "list":
         return _list()
@@ -55,10 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.file.is_file():
         parser.error(f"{args.file} is not a file")
     lab = LABS[args.lab]
-    resolve(lab.grader_path)         # first: a kernel lab switches Triton to its interpreter here
-    impl = _load(args.file, args.name or lab.stub_path.rpartition(":")[2])
-    report = lab.grade(impl)
-    print(report)
+    try:
+        report = grade_file(lab, args.file, args.name or lab.stub_path.rpartition(":")[2],
+                            import_limit=args.import_limit, scenario_limit=args.scenario_limit)
+    except KeyboardInterrupt:
+        print(f"lab {lab.name}: FAILED (interrupted; the grading process was stopped)")
+        return 130
+    print(json.dumps(report.to_json(), indent=1) if args.json else report)
     return 0 if report.passed else 1
 
 

@@ -29,6 +29,7 @@ PRIVATE_MEMBERS: dict[tuple[str, str], str] = {
         "stub docstrings (append, allocate); mutants ModuloOneBlockManager, NoRoomCheckBlockManager; "
         "solution of stale_entry_guard",
     ("course_pkg.block_manager:BlockManager", "_blocks_to_append"): "solution of append",
+    ("course_pkg.block_manager:BlockManager", "_num_new_blocks"): "mutants.RevivalUncheckedBlockManager",
     ("course_pkg.block_manager:BlockManager", "_holders"): "keep_private_guards (below)",
     ("course_pkg.block_manager:BlockManager", "_needs_copy_on_write"):
         "mutants NoCopyOnWriteBlockManager, CopyExclusiveBlockManager; solution of fork_cow",

@@ -38,11 +38,7 @@ SCENARIO_TIME_LIMIT = 30
 
 
 class ScenarioTimeout(Exception):
-    """A scenario ran past ``SCENARIO_TIME_LIMIT`` (raised by an alarm, Unix main thread only)."""
-
-
-def _on_alarm(signum, frame):
-    raise ScenarioTimeout(f"still running after {SCENARIO_TIME_LIMIT} s (an endless loop?)")
+    """A scenario ran past its time limit (raised by an alarm, Unix main thread only)."""
 
 
 class Grading:
@@ -50,36 +46,62 @@ class Grading:
 
     A grader runs each scenario inside ``with g.scenario("name"):``. The first failed check
     ends that scenario and is recorded as ``"name: what differed"``; an exception raised by the
-    student's code is recorded the same way, and so is a scenario that runs past
-    ``SCENARIO_TIME_LIMIT`` seconds (where an alarm signal can be used). The other scenarios
-    still run, so the report lists everything that is wrong, not only the first thing.
+    student's code is recorded the same way (``sys.exit`` included: graded code must not
+    exit), and so is a scenario that runs past ``time_limit`` seconds (where an alarm signal
+    can be used). The other scenarios still run, so the report lists everything that is
+    wrong, not only the first thing.
+
+    The alarm stops ordinary loops only: code that catches the timeout keeps running. The
+    command line (``python -m course_pkg.labs``) grades in a child process that it kills.
     """
 
-    def __init__(self):
+    #: What a scenario records as a failure of the code under test instead of letting it end
+    #: the grading (the command line's child process adds ``KeyboardInterrupt``; in a notebook
+    #: that is the reader's stop button).
+    caught: tuple[type[BaseException], ...] = (Exception, SystemExit)
+
+    def __init__(self, time_limit: float = SCENARIO_TIME_LIMIT):
+        self.time_limit = time_limit
         self.failures: list[str] = []
         self.notes: list[str] = []
         self.scenarios: list[str] = []
         self._current: str | None = None
 
+    def started(self, name: str) -> None:
+        """Called as scenario ``name`` begins (a hook: the command line reports it)."""
+
+    def ended(self, name: str, failure: str | None, seconds: float) -> None:
+        """Called as scenario ``name`` ends, with its failure or None (a hook, as ``started``)."""
+
     @contextmanager
     def scenario(self, name: str) -> Iterator[None]:
         self.scenarios.append(name)
         self._current = name
+        before = len(self.failures)
+        self.started(name)
+        start = time.perf_counter()
+        limit = self.time_limit
         alarm = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
         if alarm:
-            previous = signal.signal(signal.SIGALRM, _on_alarm)
-            signal.setitimer(signal.ITIMER_REAL, SCENARIO_TIME_LIMIT)
+            def on_alarm(signum, frame):
+                raise ScenarioTimeout(f"still running after {limit:g} s (an endless loop?)")
+            previous = signal.signal(signal.SIGALRM, on_alarm)
+            signal.setitimer(signal.ITIMER_REAL, limit)
         try:
             yield
         except ScenarioFailed:
-            pass
-        except Exception as e:  # the code under test crashed: that is a failure of this scenario
-            self.failures.append(f"{name}: raised {type(e).__name__}: {e}")
+            if len(self.failures) == before:   # raised by the code under test, not by ``fail``
+                self.failures.append(f"{name}: raised ScenarioFailed, the grader's own exception, "
+                                     "from the code under test")
+        except self.caught as e:  # the code under test crashed: that is a failure of this scenario
+            self.failures.append(f"{name}: raised {type(e).__name__}{f': {e}' if str(e) else ''}{_hint(e)}")
         finally:
             if alarm:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, previous)
             self._current = None
+        self.ended(name, self.failures[before] if len(self.failures) > before else None,
+                   time.perf_counter() - start)
 
     def fail(self, what: str):
         if self._current is None:
@@ -103,6 +125,14 @@ class Grading:
     @property
     def passed_so_far(self) -> bool:
         return not self.failures
+
+
+def _hint(e: BaseException) -> str:
+    if isinstance(e, SystemExit):
+        return " (graded code must return, not exit)"
+    if isinstance(e, KeyboardInterrupt):
+        return " (raised by the code under test)"
+    return ""
 
 
 @dataclass

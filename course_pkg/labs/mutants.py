@@ -3,7 +3,8 @@
 Each mutant is one classic mistake -- the ones the course's chapters warn about and the bugs
 Nano-vLLM fixed -- with everything else left as the package has it, so a grader that accepts a
 mutant has a blind spot exactly there. ``tests/test_labs.py`` checks that every one is rejected.
-The kernel mutants live in ``course_pkg.labs.kernel_labs`` (they need Triton).
+The kernel mutants live in ``course_pkg.labs.kernel_labs`` (they need Triton), the
+tensor-parallel ones in ``course_pkg.labs.parallel_labs`` (they need torch).
 
 The mutants of ``_match_prefix``, ``_confirms_hit``, ``_maybe_evict_cached_block``,
 ``_schedule_decode`` and the direct uses of ``_allocate_block`` depend on private steps of the
@@ -14,7 +15,8 @@ from __future__ import annotations
 from collections import deque
 
 from course_pkg.block import Block
-from course_pkg.block_manager import BlockManager, NoFreeBlocksError
+from course_pkg.block_manager import BlockManager, NoFreeBlocksError, PrefixCacheStats
+from course_pkg.free_block_queue import FreeBlockQueue
 from course_pkg.policies import AdmissionPolicy
 from course_pkg.radix_tree import RadixCache, RadixNode
 from course_pkg.scheduler import Scheduler
@@ -41,6 +43,14 @@ class ResetKeepsHashBlock(Block):
         self.token_ids = []
 
 
+class ResetKeepsTokensBlock(Block):
+    """``reset`` leaves the token ids: the block's new holder starts with the old content's tokens."""
+
+    def reset(self) -> None:
+        self.ref_count = 1
+        self.hash = -1
+
+
 # ---------------------------------------------------------------- chapter 01: logical blocks
 
 class FloorPlusOneSequence(Sequence):
@@ -57,6 +67,16 @@ class ModuloLastBlockSequence(Sequence):
     @property
     def last_block_num_tokens(self) -> int:
         return self.num_tokens % self.block_size
+
+
+class NegativeBlockSequence(Sequence):
+    """``block(i)`` checks only ``i < num_blocks``: ``block(-1)`` slices ``token_ids[-bs:0]`` and
+    returns ``[]`` instead of raising."""
+
+    def block(self, i: int) -> list[int]:
+        if i >= self.num_blocks:
+            raise IndexError(f"logical block {i} out of range")
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
 
 # ---------------------------------------------------------------- chapter 02: append
@@ -97,6 +117,45 @@ class NoRoomCheckBlockManager(BlockManager):
             seq.block_table.append(self._allocate_block().block_id)
         seq.num_cached_tokens = 0
         self.prefix_cache_stats.record(seq.num_tokens, 0)
+
+
+class UncountedAllocateBlockManager(BlockManager):
+    """``allocate`` right in every block, but it never records the request in
+    ``prefix_cache_stats``: the hit rate the engine reports stays 0."""
+
+    def allocate(self, seq: Sequence, num_cached_blocks: int = 0) -> None:
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        try:
+            super().allocate(seq, num_cached_blocks)
+        finally:
+            self.prefix_cache_stats = stats      # the bug: the new request is not counted
+
+
+class ReadmissionCountedBlockManager(BlockManager):
+    """Counts a readmission after preemption as a first admission: its re-lookup finds the
+    blocks it freed a moment before, so the more the scheduler preempts, the better the cache
+    looks."""
+
+    def allocate(self, seq: Sequence, num_cached_blocks: int = 0) -> None:
+        preemptions, seq.num_preemptions = seq.num_preemptions, 0     # the bug: forgets it was preempted
+        try:
+            super().allocate(seq, num_cached_blocks)
+        finally:
+            seq.num_preemptions = preemptions
+
+
+class RevivalUncheckedBlockManager(BlockManager):
+    """The room check counts fresh blocks only, not the cached blocks revived from the free
+    queue: when those revivals use up the free blocks, the fresh ones are not there, and
+    ``allocate`` fails half-way (``IndexError`` from an empty queue) with the state changed."""
+
+    def allocate(self, seq: Sequence, num_cached_blocks: int = 0) -> None:
+        # The bug, in this call only (``can_allocate`` still counts right).
+        self._num_new_blocks = lambda seq, hit_block_ids: seq.num_blocks - len(hit_block_ids)
+        try:
+            super().allocate(seq, num_cached_blocks)
+        finally:
+            del self._num_new_blocks
 
 
 class FreesSharedBlocksBlockManager(BlockManager):
@@ -224,6 +283,53 @@ class ForgetfulLinkFreeBlockQueue:
         self.members.remove(block_id)
 
 
+class ListPopFreeBlockQueue:
+    """``remove`` in O(1) by lazy deletion -- the entry stays in a list, marked dead -- but
+    ``popleft`` is ``list.pop(0)``, which shifts every later entry: O(n) per call."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._entries = [(b, b) for b in range(num_blocks)]    # (block id, entry number)
+        self._live = {b: b for b in range(num_blocks)}          # queued block -> its live entry
+        self._counter = num_blocks
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self):
+        return (b for b, entry in self._entries if self._live.get(b) == entry)
+
+    def popleft(self) -> int:
+        while self._entries:
+            b, entry = self._entries.pop(0)                     # the bug: O(n)
+            if self._live.get(b) == entry:
+                del self._live[b]
+                return b
+        raise IndexError("pop from an empty queue")
+
+    def append(self, block_id: int) -> None:
+        if not 0 <= block_id < self.num_blocks or block_id in self._live:
+            raise ValueError(f"cannot append block {block_id}")
+        self._live[block_id] = self._counter
+        self._entries.append((block_id, self._counter))
+        self._counter += 1
+
+    def remove(self, block_id: int) -> None:
+        if block_id not in self._live:
+            raise ValueError(f"block {block_id} is not in the queue")
+        del self._live[block_id]                                # its entry dies where it is
+
+
+class ScanningAppendFreeBlockQueue(FreeBlockQueue):
+    """The package's linked queue, but ``append`` checks that the block is not queued yet by
+    walking the queue: O(n) per call."""
+
+    def append(self, block_id: int) -> None:
+        if block_id in list(self):                              # the bug: a walk of the whole queue
+            raise ValueError(f"block {block_id} is already in the free queue")
+        super().append(block_id)
+
+
 # ---------------------------------------------------------------- chapter 04: prefix caching
 
 class RegisterAtAllocationBlockManager(BlockManager):
@@ -275,6 +381,34 @@ class UnchainedHashBlockManager(BlockManager):
         return compute_hash(token_ids)
 
 
+class UncomputedBlocksRegisteredBlockManager(BlockManager):
+    """``hash_blocks`` counts the sequence's tokens, not its computed ones: after a prompt chunk
+    it registers full blocks whose K/V the next chunk has yet to write."""
+
+    def hash_blocks(self, seq: Sequence, num_computed_tokens: int | None = None) -> None:
+        super().hash_blocks(seq, seq.num_tokens)           # the bug: seq.num_cached_tokens
+
+
+class PartialBlockRegisteredBlockManager(BlockManager):
+    """``hash_blocks`` registers the partly filled last block too (rounding the computed tokens
+    up to whole blocks): its hash names tokens that are not all there, and the next token
+    changes its content under the index entry."""
+
+    def hash_blocks(self, seq: Sequence, num_computed_tokens: int | None = None) -> None:
+        computed = seq.num_cached_tokens if num_computed_tokens is None else num_computed_tokens
+        rounded_up = -(-computed // self.block_size) * self.block_size      # the bug
+        super().hash_blocks(seq, rounded_up)
+
+
+class InvertedGuardBlockManager(BlockManager):
+    """The stale-entry guard's condition turned around: it drops the entry only when the index
+    points at *another* block (a still-valid entry) and keeps the stale one."""
+
+    def _maybe_evict_cached_block(self, block: Block) -> None:
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash, block.block_id) != block.block_id:
+            del self.hash_to_block_id[block.hash]
+
+
 class UnconditionalEvictBlockManager(BlockManager):
     """The stale-entry guard without its condition: drops the index entry of the block's hash
     even when the index points at *another* block with that hash (a still-valid entry)."""
@@ -293,6 +427,22 @@ class ForkWithoutRefCountsBlockManager(BlockManager):
     def fork(self, parent: Sequence, child: Sequence) -> None:
         if not parent.block_table or child.block_table:
             raise ValueError("fork needs a parent with blocks and a child without")
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+
+
+class ForkWithoutCopyCheckBlockManager(BlockManager):
+    """``fork`` checks that the child holds no blocks but not that it is a copy of the parent:
+    a sequence with other tokens (or other computed tokens) then shares blocks whose K/V
+    belong to another text."""
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        # The bug: no comparison of tokens and computed tokens. (``keep_private_guards`` keeps
+        # the package's holder record in step, as for a student's fork.)
+        if not parent.block_table or child.block_table:
+            raise ValueError("fork needs a parent with blocks and a child without")
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
 
@@ -419,6 +569,17 @@ def kv_block_bytes_one_layer(block_size: int, num_layers: int, num_kv_heads: int
     return 2 * block_size * num_kv_heads * head_dim * dtype_bytes
 
 
+def kv_block_bytes_two_byte_dtype(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                                  dtype_bytes: int) -> int:
+    """Assumes 2 bytes per value (bfloat16) whatever ``dtype_bytes`` says."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * 2
+
+
+def fragmentation_allocated_slots(num_tokens: list[int], block_size: int) -> int:
+    """Counts every allocated slot (``ceil(n / bs) * bs``), not the empty ones."""
+    return sum(-(-n // block_size) * block_size for n in num_tokens)
+
+
 def fragmentation_modulo(num_tokens: list[int], block_size: int) -> int:
     """``block_size - n % block_size`` per sequence: a full last block counted as empty."""
     return sum(block_size - n % block_size for n in num_tokens)
@@ -426,12 +587,24 @@ def fragmentation_modulo(num_tokens: list[int], block_size: int) -> int:
 
 # ---------------------------------------------------------------- chapter 09: the CPU block pool
 
-class ReleaseToHeadCpuBlockPool(CpuBlockPool):
-    """Returns released blocks to the *head* of the free queue: the order of block ids changes."""
+class StrictCanSwapOutCpuBlockPool(CpuBlockPool):
+    """``can_swap_out`` with ``<``: refuses when exactly as many CPU blocks are free as needed, so
+    the scheduler recomputes a sequence it could have swapped."""
 
-    def release(self, seq_id: int) -> None:
-        block_ids, _ = self.swapped.pop(seq_id)
-        self.free_block_ids.extendleft(reversed(block_ids))
+    def can_swap_out(self, num_blocks: int) -> bool:
+        return num_blocks < len(self.free_block_ids)
+
+
+class PeekingSwapOutCpuBlockPool(CpuBlockPool):
+    """``swap_out`` reads the ids at the head of the free queue but leaves them there: the next
+    swap-out gets the same blocks and overwrites the K/V of the first."""
+
+    def swap_out(self, seq_id: int, num_blocks: int, num_computed_tokens: int) -> list[int]:
+        if seq_id in self.swapped or num_blocks > len(self.free_block_ids):
+            raise ValueError(f"sequence {seq_id} cannot be swapped out")
+        block_ids = list(self.free_block_ids)[:num_blocks]      # the bug: not taken out
+        self.swapped[seq_id] = (block_ids, num_computed_tokens)
+        return block_ids
 
 
 class NoRoomCheckCpuBlockPool(CpuBlockPool):

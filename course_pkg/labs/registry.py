@@ -8,18 +8,22 @@ _G = "course_pkg.labs.graders"
 _S = "course_pkg.labs.stubs"
 _M = "course_pkg.labs.mutants"
 _K = "course_pkg.labs.kernel_labs"
+_P = "course_pkg.labs.parallel_labs"
 
 _LABS = [
     Lab("block_reset", "Block.reset: a reused block starts held, empty and unregistered", 1,
         "reset() of fresh and registered blocks by hand; blocks reused inside a BlockManager, lockstep",
         "course_pkg.block:Block", f"{_S}:StudentBlock", f"{_G}.blocks:grade_block_reset",
-        {"reset to ref_count 0": f"{_M}:ResetToZeroBlock", "reset keeps the hash": f"{_M}:ResetKeepsHashBlock"},
+        {"reset to ref_count 0": f"{_M}:ResetToZeroBlock", "reset keeps the hash": f"{_M}:ResetKeepsHashBlock",
+         "reset keeps the tokens": f"{_M}:ResetKeepsTokensBlock"},
         ("course_pkg.block:Block.reset",),
         task="`Block.reset()`"),
     Lab("logical_blocks", "Logical blocks: num_blocks, last_block_num_tokens, block(i)", 1,
-        "hand-computed tables for block sizes 1, 7 and 16, full and partial last blocks, growth by decode",
+        "hand-computed tables for block sizes 1, 7 and 16, full and partial last blocks, growth by decode; "
+        "block(i) past either end raises",
         "course_pkg.sequence:Sequence", f"{_S}:StudentSequence", f"{_G}.blocks:grade_logical_blocks",
-        {"n // bs + 1 blocks": f"{_M}:FloorPlusOneSequence", "n % bs last-block tokens": f"{_M}:ModuloLastBlockSequence"},
+        {"n // bs + 1 blocks": f"{_M}:FloorPlusOneSequence", "n % bs last-block tokens": f"{_M}:ModuloLastBlockSequence",
+         "block(-1) returns []": f"{_M}:NegativeBlockSequence"},
         ("course_pkg.sequence:Sequence.num_blocks", "course_pkg.sequence:Sequence.last_block_num_tokens",
          "course_pkg.sequence:Sequence.block"),
         task="`Sequence.num_blocks`, `last_block_num_tokens` and `block(i)`"),
@@ -34,11 +38,16 @@ _LABS = [
         task="`BlockManager.can_append` and `may_append`"),
     Lab("allocate", "allocate and deallocate", 2,
         "block tables and free-queue order by hand at block sizes 1, 4, 7; full pools and misuse change "
-        "nothing; shared prefixes, ref counts, revival; lockstep and invariants after every call",
+        "nothing; shared prefixes, ref counts, revival (revived blocks count against the room); "
+        "prefix_cache_stats by hand (first admissions and readmissions apart); lockstep and invariants "
+        "after every call",
         "course_pkg.block_manager:BlockManager", f"{_S}:StudentAllocateBlockManager", f"{_G}.manager:grade_allocate",
         {"no room check": f"{_M}:NoRoomCheckBlockManager",
          "frees shared blocks": f"{_M}:FreesSharedBlocksBlockManager",
-         "keeps the block table": f"{_M}:KeepsTableBlockManager"},
+         "keeps the block table": f"{_M}:KeepsTableBlockManager",
+         "never counts prefix_cache_stats": f"{_M}:UncountedAllocateBlockManager",
+         "readmissions counted as first admissions": f"{_M}:ReadmissionCountedBlockManager",
+         "room check ignores revived blocks": f"{_M}:RevivalUncheckedBlockManager"},
         ("course_pkg.block_manager:BlockManager.allocate", "course_pkg.block_manager:BlockManager.deallocate"),
         task="`BlockManager.allocate` and `deallocate`"),
     Lab("release_order", "Reversed release: the free queue as an LRU for prefixes", 3,
@@ -52,11 +61,14 @@ _LABS = [
         task="`BlockManager.deallocate`, releasing so that a sequence's prefix is overwritten last"),
     Lab("free_queue", "A free block queue with O(1) remove", 3,
         "FIFO order by hand and against a deque over 3000 random operations; misuse; the same block ids "
-        "inside a BlockManager; gate: remove's per-call cost at 100k blocks within 2x of 1k",
+        "inside a BlockManager; gate: the per-call cost of popleft, append and remove at 100k blocks "
+        "within 4x of 1k",
         "course_pkg.free_block_queue:FreeBlockQueue", f"{_S}:StudentFreeBlockQueue",
         f"{_G}.free_queue:grade_free_queue",
         {"deque.remove (O(n))": f"{_M}:DequeFreeBlockQueue",
-         "remove forgets the back link": f"{_M}:ForgetfulLinkFreeBlockQueue"},
+         "remove forgets the back link": f"{_M}:ForgetfulLinkFreeBlockQueue",
+         "popleft is list.pop(0) (O(n))": f"{_M}:ListPopFreeBlockQueue",
+         "append scans the queue (O(n))": f"{_M}:ScanningAppendFreeBlockQueue"},
         ("course_pkg.free_block_queue:FreeBlockQueue",),
         task="a free block queue: `popleft`, `append`, `remove` in O(1), `len`, iteration"),
     Lab("prefix_caching", "Prefix matching and hash_blocks", 4,
@@ -69,7 +81,9 @@ _LABS = [
          "no token check on a hit": f"{_M}:NoTokenCheckBlockManager",
          "tokens checked, not the parent (Nano-vLLM)": "course_pkg.foils:TokenCheckBlockManager",
          "the prompt's last block hit": f"{_M}:LastBlockHitBlockManager",
-         "unchained hashes": f"{_M}:UnchainedHashBlockManager"},
+         "unchained hashes": f"{_M}:UnchainedHashBlockManager",
+         "partial last block registered": f"{_M}:PartialBlockRegisteredBlockManager",
+         "uncomputed full blocks registered": f"{_M}:UncomputedBlocksRegisteredBlockManager"},
         ("course_pkg.block_manager:compute_hash", "course_pkg.block_manager:BlockManager._match_prefix",
          "course_pkg.block_manager:BlockManager._confirms_hit", "course_pkg.block_manager:BlockManager._prefix_id_for",
          "course_pkg.block_manager:BlockManager.hash_blocks"),
@@ -80,7 +94,8 @@ _LABS = [
         "course_pkg.block_manager:BlockManager", f"{_S}:StudentGuardBlockManager",
         f"{_G}.prefix:grade_stale_entry_guard",
         {"no stale-entry guard": "course_pkg.foils:UnguardedBlockManager",
-         "unconditional eviction": f"{_M}:UnconditionalEvictBlockManager"},
+         "unconditional eviction": f"{_M}:UnconditionalEvictBlockManager",
+         "the guard's condition inverted": f"{_M}:InvertedGuardBlockManager"},
         ("course_pkg.block_manager:BlockManager._allocate_block",
          "course_pkg.block_manager:BlockManager._maybe_evict_cached_block"),
         task="`BlockManager._maybe_evict_cached_block`, the guard run when a free block gets new content"),
@@ -117,21 +132,25 @@ _LABS = [
     Lab("fork_cow", "Fork and copy-on-write", 8,
         "forks share every block, the partial last one too; the first write into a shared block copies "
         "it and returns the copy (by hand); full blocks and block size 1 never copy; no free block; "
-        "forks of forks; misuse; random traces with forks in lockstep",
+        "forks of forks; misuse (a child that is not a blockless copy: other tokens, other computed "
+        "tokens, blocks of its own); random traces with forks in lockstep",
         "course_pkg.block_manager:BlockManager", f"{_S}:StudentForkBlockManager", f"{_G}.manager:grade_fork_cow",
         {"fork without ref counts": f"{_M}:ForkWithoutRefCountsBlockManager",
          "no copy-on-write": f"{_M}:NoCopyOnWriteBlockManager",
          "copies exclusive blocks too": f"{_M}:CopyExclusiveBlockManager",
-         "copy not reported": f"{_M}:SilentCopyBlockManager"},
+         "copy not reported": f"{_M}:SilentCopyBlockManager",
+         "fork never checks the child is a copy": f"{_M}:ForkWithoutCopyCheckBlockManager"},
         ("course_pkg.block_manager:BlockManager.fork", "course_pkg.block_manager:BlockManager._needs_copy_on_write",
          "course_pkg.block_manager:BlockManager.may_append"),
         task="`BlockManager.fork` and `may_append` with copy-on-write"),
     Lab("cpu_pool", "The CPU block pool: swap out and release", 9,
-        "block ids and free-queue order by hand; can_swap_out at the edge; a refused swap-out changes "
-        "nothing; 3000 random operations in lockstep with the package's pool; the engine swapping with "
-        "your pool gives the same tokens",
+        "swap-outs take free blocks, releases give them back, by hand (in any order: CPU blocks hold no "
+        "cache, so which free block a swap-out gets does not matter); can_swap_out at the edge; a refused "
+        "swap-out changes nothing; 3000 random operations next to the package's pool, free and held blocks "
+        "partitioning the pool; the engine swapping with your pool gives the same tokens",
         "course_pkg.swap:CpuBlockPool", f"{_S}:StudentCpuBlockPool", f"{_G}.swap:grade_cpu_pool",
-        {"release to the head": f"{_M}:ReleaseToHeadCpuBlockPool",
+        {"can_swap_out with <": f"{_M}:StrictCanSwapOutCpuBlockPool",
+         "swap_out leaves the blocks free": f"{_M}:PeekingSwapOutCpuBlockPool",
          "no room check": f"{_M}:NoRoomCheckCpuBlockPool",
          "release keeps the entry": f"{_M}:ReleaseKeepsEntryCpuBlockPool"},
         ("course_pkg.swap:CpuBlockPool.can_swap_out", "course_pkg.swap:CpuBlockPool.swap_out",
@@ -157,18 +176,36 @@ _LABS = [
         ("course_pkg.radix_tree:RadixCache.match_prefix", "course_pkg.radix_tree:RadixCache.insert",
          "course_pkg.radix_tree:RadixCache.evict"),
         task="`RadixCache.match_prefix`, `insert` and `evict`"),
+    Lab("tensor_parallel", "Column-, row- and vocabulary-parallel layers", 10,
+        "on 2, 3 and 4 simulated ranks (threads meeting at each all-reduce): the row-parallel output "
+        "equals the whole layer's on every rank, bias added once, one all-reduce; each rank's column slice "
+        "with no communication; column then row equals the whole product; the split embedding gives "
+        "the whole table's rows bit for bit",
+        "course_pkg.labs.parallel_labs:PackageParallelLayers", f"{_P}:StudentParallelLayers",
+        f"{_G}.tensor_parallel:grade_tensor_parallel",
+        {"bias added on every rank": f"{_P}:BiasOnEveryRankLayers",
+         "no all-reduce": f"{_P}:NoAllReduceLayers",
+         "column output all-reduced": f"{_P}:ReducedColumnLayers",
+         "other ranks' ids not zeroed": f"{_P}:UnmaskedEmbeddingLayers",
+         "ids not shifted into the slice": f"{_P}:UnshiftedEmbeddingLayers"},
+        ("course_pkg.distributed.layers:ColumnParallelLinear.forward",
+         "course_pkg.distributed.layers:RowParallelLinear.forward",
+         "course_pkg.distributed.layers:VocabParallelEmbedding.forward"),
+        task="the `forward` of `Column`, `Row` and `VocabEmbedding` (subclasses of the package's layers)"),
     Lab("kv_block_bytes", "Bytes of one KV block", 7,
         "hand-computed sizes (Qwen3-0.6B, Llama-3-8B, odd shapes) and the bytes a ModelRunner allocates per block",
         "course_pkg.labs.arithmetic:kv_block_bytes", f"{_S}:student_kv_block_bytes",
         f"{_G}.arithmetic:grade_kv_block_bytes",
-        {"keys only": f"{_M}:kv_block_bytes_keys_only", "one layer": f"{_M}:kv_block_bytes_one_layer"},
+        {"keys only": f"{_M}:kv_block_bytes_keys_only", "one layer": f"{_M}:kv_block_bytes_one_layer",
+         "2 bytes per value whatever the dtype": f"{_M}:kv_block_bytes_two_byte_dtype"},
         task="`kv_block_bytes(block_size, num_layers, num_kv_heads, head_dim, dtype_bytes)`"),
     Lab("fragmentation", "Internal fragmentation", 7,
         "hand-computed empty slots (full, partial and single-token last blocks, block size 1) and the "
         "slots a BlockManager's block tables really leave empty",
         "course_pkg.labs.arithmetic:internal_fragmentation", f"{_S}:student_internal_fragmentation",
         f"{_G}.arithmetic:grade_internal_fragmentation",
-        {"n % bs empty slots": f"{_M}:fragmentation_modulo"},
+        {"n % bs empty slots": f"{_M}:fragmentation_modulo",
+         "allocated slots, not empty ones": f"{_M}:fragmentation_allocated_slots"},
         task="`internal_fragmentation(num_tokens, block_size)`"),
 ]
 

@@ -80,8 +80,10 @@ class StudentAllocateBlockManager(BlockManager):
         The first ``num_cached_blocks`` come from the cache (``self._match_prefix(seq)`` returns
         their ids and hashes; a free one is revived: taken out of the free queue), the rest are
         fresh (``self._allocate_block()``). Set ``seq.block_hashes`` to the reused blocks'
-        hashes and ``seq.num_cached_tokens``; record the query in ``self.prefix_cache_stats``.
-        Raise, changing nothing, on misuse (the sequence already has blocks, too few free blocks).
+        hashes and ``seq.num_cached_tokens``; record the query in ``self.prefix_cache_stats``
+        (``record(tokens queried, tokens hit, preempted=...)``: a readmission after preemption,
+        ``seq.num_preemptions > 0``, is counted apart). Raise, changing nothing, on misuse (the
+        sequence already has blocks, too few free blocks -- a revived block takes a free one too).
         """
         ...
 
@@ -170,7 +172,8 @@ class StudentForkBlockManager(BlockManager):
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` (a fresh copy made by ``parent.fork(index)``) share every block of
         ``parent``, the partly filled last one too; raise, changing nothing, if ``parent`` holds
-        no blocks or ``child`` is not a blockless copy of it."""
+        no blocks or ``child`` is not a blockless copy of it (same tokens, same
+        ``num_cached_tokens``, no blocks)."""
         ...
 
     def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
@@ -254,7 +257,8 @@ class StudentCpuBlockPool(CpuBlockPool):
         ...
 
     def release(self, seq_id: int) -> None:
-        """Forget ``seq_id`` and return its blocks to the tail of the free queue, in order."""
+        """Forget ``seq_id`` and return its blocks to the free queue (any order will do: CPU
+        blocks hold no cache, so which free block the next swap-out gets does not matter)."""
         ...
 
 

@@ -77,12 +77,13 @@ def grade_logical_blocks(seq_cls, g: Grading) -> None:
             for i in range(num_blocks):
                 expected = list(range(100 + i * bs, 100 + min(n, (i + 1) * bs)))
                 g.equal(seq.block(i), expected, f"block({i})")
-            try:
-                seq.block(num_blocks)
-            except IndexError:
-                pass
-            else:
-                g.fail(f"block({num_blocks}) must raise IndexError: the sequence has {num_blocks} blocks")
+            for i in (num_blocks, -1):
+                try:
+                    got = seq.block(i)
+                except IndexError:
+                    continue
+                g.fail(f"block({i}) must raise IndexError: the sequence has blocks 0 .. {num_blocks - 1} "
+                       f"(a logical block number is never negative); it returned {got!r}")
     with g.scenario("growing by decode (block size 3)"):
         seq = seq_cls([1, 2, 3, 4, 5, 6], block_size=3)
         expected = [(3, 1), (3, 2), (3, 3), (4, 1)]     # after tokens 7, 8, 9, 10

@@ -131,10 +131,69 @@ def grade_allocate(impl, g: Grading) -> None:
         lock.call("allocate", "D", 1)                       # fewer hits than available: allowed
         lock.call("deallocate", "C")
         lock.call("deallocate", "D")
+    with g.scenario("revived blocks count against the room: a hit that does not fit is refused (block size 2, pool 4)"):
+        lock = Lockstep(g, impl, 4, 2)
+        lock.seq("A", [1, 2, 3, 4, 5])                      # blocks 0 = [1, 2], 1 = [3, 4], 2 = [5]
+        lock.call("allocate", "A", 0)
+        lock.computed("A")
+        lock.call("deallocate", "A")                        # free: 3, 2, 1, 0; blocks 0 and 1 still cached
+        lock.seq("Y", [9, 9, 9])
+        lock.call("allocate", "Y", 0)                       # takes 3 and 2: free 1, 0, both cached
+        lock.seq("B", [1, 2, 3, 4, 7])                      # 2 hits (both free) + 1 fresh = 3 free blocks, 2 free
+        g.equal(lock.call("can_allocate", "B"), -1, "can_allocate(B): its two hits are free blocks, so "
+                                                    "reviving them takes 2 of the 2 free blocks, and the fresh one has none")
+        lock.call("allocate", "B", 2, expect_raise=True)
+        lock.expect("free queue (head first)", (1, 0), "the refused allocate revived nothing")
+        lock.call("deallocate", "Y")
+        lock.call("allocate", "B", lock.call("can_allocate", "B"))
+        lock.expect("block table of B", (0, 1, 2), "the two revived hits, then the head of the free queue, "
+                                                   "2 (Y released its blocks 3, 2 last block first)")
+    with g.scenario("prefix_cache_stats: first admissions and readmissions counted apart (block size 4, pool 8)"):
+        lock = Lockstep(g, impl, 8, 4)
+        lock.seq("A", list(range(1, 11)))                   # 10 tokens, nothing cached
+        lock.call("allocate", "A", 0)
+        _expect_stats(lock, (1, 10, 0, 0, 0, 0), "after admitting A: 1 request, 10 tokens queried, 0 hits")
+        lock.computed("A")
+        lock.seq("B", list(range(1, 9)) + [90, 91, 92])     # A's 2 full blocks + 3 tokens
+        lock.call("allocate", "B", 2)
+        _expect_stats(lock, (2, 21, 8, 0, 0, 0), "after admitting B: +11 tokens queried, +8 hits")
+        lock.call("deallocate", "B")                        # B is preempted ...
+        for seq in (lock.ref_seqs["B"], lock.my_seqs["B"]):
+            seq.num_preemptions = 1
+        lock.call("allocate", "B", 2)                       # ... and readmitted: counted apart
+        _expect_stats(lock, (2, 21, 8, 1, 11, 8), "after B's readmission: the preempted_* counters only")
+        lock.seq("C", [50, 51, 52])
+        lock.call("allocate", "C", 0)
+        _expect_stats(lock, (3, 24, 8, 1, 11, 8), "after admitting C: +3 tokens queried, no hit")
+    with g.scenario("prefix_cache_stats with prefix caching off: queries counted, no hits (block size 2, pool 6)"):
+        lock = Lockstep(g, impl, 6, 2, enable_prefix_caching=False)
+        for name in ("A", "B"):
+            lock.seq(name, [1, 2, 3, 4, 5])
+            lock.call("allocate", name, 0)
+            lock.computed(name)
+        _expect_stats(lock, (2, 10, 0, 0, 0, 0), "two requests of 5 tokens, caching off")
     for seed, bs, caching in ((3, 3, True), (4, 1, False)):
         with g.scenario(f"200 random calls in lockstep (seed {seed}, block size {bs}, pool 10, "
                         f"prefix caching {'on' if caching else 'off'})"):
-            random_trace(Lockstep(g, impl, 10, bs, enable_prefix_caching=caching), seed, 200)
+            lock = Lockstep(g, impl, 10, bs, enable_prefix_caching=caching)
+            random_trace(lock, seed, 200)
+            g.equal(_stats(lock.mine), _stats(lock.ref), f"prefix_cache_stats {_STATS_FIELDS} after the trace")
+
+
+_STATS_FIELDS = "(requests, queries, hits, preempted_requests, preempted_queries, preempted_hits)"
+
+
+def _stats(bm) -> tuple[int, ...]:
+    s = bm.prefix_cache_stats
+    return (s.requests, s.queries, s.hits, s.preempted_requests, s.preempted_queries, s.preempted_hits)
+
+
+def _expect_stats(lock: Lockstep, expected: tuple[int, ...], why: str) -> None:
+    """``prefix_cache_stats`` as computed by hand (checked on the reference too)."""
+    if _stats(lock.ref) != expected:
+        raise AssertionError(f"the reference's prefix_cache_stats {_stats(lock.ref)} break the lab's "
+                             f"expectation {expected} ({why}): the lab needs updating")
+    lock.g.equal(_stats(lock.mine), expected, f"prefix_cache_stats {_STATS_FIELDS} {why}")
 
 
 def grade_release_order(impl, g: Grading) -> None:
@@ -258,6 +317,10 @@ def grade_fork_cow(impl, g: Grading) -> None:
         lock.computed("A")
         lock.call("allocate", "X", 0)
         lock.call("fork", "A", Named("X"), expect_raise=True)   # X is not a blockless copy of A
+        lock.seq("Z", [1, 2, 3, 4, 6])                          # blockless, but other tokens than A's
+        lock.call("fork", "A", Named("Z"), expect_raise=True)
+        lock.seq("W", [1, 2, 3, 4, 5])                          # A's tokens, but none of them computed
+        lock.call("fork", "A", Named("W"), expect_raise=True)
     for seed, bs in ((13, 3), (14, 7)):
         with g.scenario(f"200 random calls with forks in lockstep (seed {seed}, block size {bs}, pool 14)"):
             random_trace(Lockstep(g, impl, 14, bs), seed, 200, forks=True)
