@@ -518,9 +518,9 @@ class Scheduler:
     def _fork(self, seq: Sequence, num_children: int) -> list[Sequence]:
         """Completions 1 .. num_children of ``seq``'s request: forks sharing its blocks, placed
         right after it in ``running`` (a group is preempted from its newest member on)."""
-        first_id = Sequence._next_id
+        first_id = Sequence._ids.next
         children = [seq.fork(j) for j in range(1, num_children + 1)]
-        self.undo_log.record(partial(Sequence._give_back_ids, first_id, Sequence._next_id))
+        self.undo_log.record(partial(Sequence._ids.give_back, first_id, Sequence._ids.next))
         at = self.running.index(seq) + 1
         for j, child in enumerate(children):
             self.block_manager.fork(seq, child)

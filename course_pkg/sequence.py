@@ -81,19 +81,7 @@ class Sequence:
     how many tokens the current step computes. Each sequence knows its own ``block_size``.
     """
 
-    _next_id = 0   # ids are handed out in order, once (an undone fork gives its ids back)
-
-    @classmethod
-    def _new_id(cls) -> int:
-        seq_id, cls._next_id = cls._next_id, cls._next_id + 1
-        return seq_id
-
-    @classmethod
-    def _give_back_ids(cls, first: int, end: int) -> None:
-        """Undo the ids ``first .. end - 1`` handed out last (an undone fork); only if no other
-        id was handed out since."""
-        if cls._next_id == end:
-            cls._next_id = first
+    _ids: "SequenceIds"   # (set below the class) ids in order, once; an undone fork gives its back
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
                  block_size: int = 16):
@@ -105,7 +93,7 @@ class Sequence:
             sampling_params = SamplingParams()
         elif not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        self.seq_id = Sequence._new_id()
+        self.seq_id = Sequence._ids.take()
         self.status = SequenceStatus.WAITING
         self.block_size = block_size
         self.token_ids = token_ids
@@ -135,7 +123,7 @@ class Sequence:
         same request. Blocks are not copied here: ``BlockManager.fork`` shares them."""
         child = Sequence.__new__(Sequence)
         child.__dict__.update(self.__dict__)
-        child.seq_id = Sequence._new_id()
+        child.seq_id = Sequence._ids.take()
         child.token_ids = list(self.token_ids)
         child.block_table = []
         child.block_hashes = []
@@ -219,3 +207,22 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, "
                 f"num_tokens={self.num_tokens}, block_table={self.block_table})")
+
+
+class SequenceIds:
+    """The ids of new sequences: 0, 1, 2, ... in order, each once."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def take(self) -> int:
+        seq_id, self.next = self.next, self.next + 1
+        return seq_id
+
+    def give_back(self, first: int, end: int) -> None:
+        """Undo handing out ``first .. end - 1`` (an undone fork), if they were the last ones."""
+        if self.next == end:
+            self.next = first
+
+
+Sequence._ids = SequenceIds()

@@ -11,6 +11,7 @@ import math
 from collections import deque
 
 import pytest
+from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -378,64 +379,20 @@ def test_token_validation_names_the_first_bad_item_on_long_lists(bad, position):
 
 # ---------------------------------------------------------------- the lab's grader accepts another correct tree
 
-class ScanningRadixCache(RadixCache):
-    """A correct radix cache written differently: no heap, eviction scans every node."""
-
-    def match_prefix(self, keys, *, touch=True):
-        nodes, node = [], self.root
-        for key in keys:
-            if key not in node.children:
-                break
-            node = node.children[key]
-            nodes.append(node)
-        if touch:
-            for n in nodes:
-                n.last_access = self.clock
-        return nodes
-
-    def insert(self, keys):
-        path = self.match_prefix(keys, touch=False)
-        new = len(keys) - len(path)
-        spare = self.num_blocks - self.num_cached
-        if new > spare:
-            evictable_elsewhere = self.evictable - sum(1 for n in path if n.ref_count == 0)
-            if new > spare + evictable_elsewhere:
-                raise MemoryError("no room")
-            self.lock(path)
-            self.evict(new - spare)
-            self.unlock(path)
-        path = self.match_prefix(keys)
-        parent = path[-1] if path else self.root
-        for key in keys[len(path):]:
-            child = type(self.root)(key, parent, parent.depth + 1)
-            child.last_access = self.clock
-            parent.children[key] = child
-            self.num_cached += 1
-            self.evictable += 1
-            path.append(child)
-            parent = child
-        return path
-
-    def evict(self, num):
-        done = 0
-        leaves = {n for n in self.nodes() if n.ref_count == 0 and not n.children} if num > 0 else set()
-        while done < num and leaves:
-            victim = min(leaves, key=lambda n: n.last_access)
-            leaves.remove(victim)
-            parent = victim.parent
-            del parent.children[victim.key]
-            victim.parent = None
-            self.num_cached -= 1
-            self.evictable -= 1
-            done += 1
-            if parent is not self.root and parent.ref_count == 0 and not parent.children:
-                leaves.add(parent)
-        return done
+def _scanning_radix_cache():
+    """The lab's independent solution (tests/lab_solutions/radix_cache.py): no heap, eviction scans."""
+    import importlib.util
+    path = Path(__file__).resolve().parent / "lab_solutions" / "radix_cache.py"
+    spec = importlib.util.spec_from_file_location("radix_cache_solution", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.StudentRadixCache
 
 
 def test_the_radix_lab_passes_a_correct_tree_written_differently_and_rejects_the_stub():
     from course_pkg.labs import LABS
 
     lab = LABS["radix_cache"]
-    assert lab.grade(ScanningRadixCache).passed, str(lab.grade(ScanningRadixCache))
+    scanning = _scanning_radix_cache()
+    assert lab.grade(scanning).passed, str(lab.grade(scanning))
     assert lab.chapter == 11 and not lab.grade(lab.stub).passed
