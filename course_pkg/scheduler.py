@@ -41,7 +41,7 @@ from course_pkg.policies import (ADMISSION_POLICIES, PREEMPTION_POLICIES, Admiss
 from course_pkg.sequence import Sequence, SequenceStatus, check_transition
 from course_pkg.swap import CpuBlockPool
 from course_pkg.undo import UndoLog
-from course_pkg.validation import check_bool, check_int, check_positive_int, check_token_ids, is_int
+from course_pkg.validation import check_bool, check_positive_int, check_token_ids, is_int
 
 SCHEDULING_POLICIES = tuple(ADMISSION_POLICIES)
 PREEMPTION_MODES = tuple(PREEMPTION_POLICIES)
@@ -311,8 +311,10 @@ class Scheduler:
             log.record(partial(_unschedule_tokens, plan.seqs))
             self.admission.schedule(self, plan)
             if not plan.seqs and self.waiting:
-                raise RuntimeError(f"nothing could be scheduled although {len(self.waiting)} requests "
-                                   "wait and none runs (check() admits only requests that fit in the pool)")
+                n = len(self.waiting)
+                raise RuntimeError(f"nothing could be scheduled although {n} request{'s' if n > 1 else ''} "
+                                   f"wait{'' if n > 1 else 's'} and none runs (check() admits only requests that "
+                                   "fit in the pool)")
             self._count_step(plan)
             out = SchedulerOutput(
                 step=self.num_steps, seqs=tuple(plan.seqs),

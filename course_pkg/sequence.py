@@ -9,7 +9,7 @@ from __future__ import annotations
 from enum import Enum, auto
 
 from course_pkg.sampling_params import SamplingParams
-from course_pkg.validation import check_positive_int, check_token_ids, is_int
+from course_pkg.validation import check_positive_int, check_token_ids
 
 
 class SequenceStatus(Enum):

@@ -6,7 +6,6 @@ that must hold for any trace (``infinite`` above every policy, request by reques
 """
 from __future__ import annotations
 
-import json
 import math
 from collections import deque
 

@@ -81,11 +81,35 @@ def _drive(g: Grading, impl, requests: dict[str, tuple], *, num_blocks: int, blo
         if expect is not None:
             expect(step, got)
         for key, value in expected.items():
-            g.equal(got[key], value, f"step {step}: {key}")
+            if got[key] != value:
+                g.fail(f"step {step}: {key}: expected {value!r}, got {got[key]!r}\n"
+                       f"    queues (package): waiting {expected['waiting']}, running {expected['running']}\n"
+                       f"    queues (yours):   waiting {got['waiting']}, running {got['running']}\n"
+                       f"    the rule: {RULES[key]}")
         ref_done = ref.scheduler.update_from_output(ref_out, ref.tokens(ref_out))
         my_done = mine.scheduler.update_from_output(my_out, mine.tokens(my_out))
-        g.equal([mine.name(q) for q in my_done], [ref.name(q) for q in ref_done], f"step {step}: finished")
+        g.equal([mine.name(q) for q in my_done], [ref.name(q) for q in ref_done],
+                f"step {step}: finished (the rule: {RULES['finished']})")
     g.fail(f"not finished after {max_steps} steps")
+
+
+#: What a lockstep difference in each field usually means: the rule of the chapter involved.
+RULES = {
+    "batch": "prefill_first schedules prompts whenever one can be admitted, else decodes; mixed decodes "
+             "first; prompts first come first served, a partly prefilled one first, no overtaking",
+    "scheduled tokens": "a decode computes 1 token; prompts share max_num_batched_tokens, and one that does "
+                        "not fit computes a chunk and continues next step",
+    "preempted": "when a decode needs a block, the most recently admitted running sequence gives way "
+                 "(_choose_victim), as often as needed, the needy one last",
+    "waiting": "a preempted sequence goes back to the head of waiting; a prompt leaves waiting when its "
+               "last chunk is scheduled",
+    "running": "a prompt joins running when its last chunk is scheduled; a preempted or finished one leaves",
+    "block tables": "admission allocates blocks for the whole prompt (prefix hits first); a decode whose "
+                    "token starts a block gets one (may_append); preemption frees them all",
+    "statuses": "RUNNING once admitted (a chunked prompt too), PREEMPTED when preempted, FINISHED_* when done",
+    "prefill step": "a step is a prefill step when it holds prompt tokens",
+    "finished": "a sequence finishes at its max_tokens (or EOS), and releases its blocks",
+}
 
 
 def _at(g: Grading, step: int, wanted: dict[str, object], why: str):
