@@ -56,22 +56,16 @@ class Sampler:
             weakref.WeakKeyDictionary()
 
     def _generator(self, seq: Sequence, index: int, undo_log=None) -> torch.Generator:
-        """Completion ``index`` of ``seq``'s request draws from ``seed + index``. With the step's
-        ``undo_log``, the generator's state before this draw is recorded (a generator made now
+        """The generator of completion ``index`` of ``seq``'s request, seeded ``seed + index``, ready
+        to draw: with the step's ``undo_log``, its state before the draw is recorded (one made now
         is forgotten by the undo: the redone step makes it again from its seed)."""
-        seed = seq.sampling_params.seed
-        if seed is None:
-            gen = self.generator
-        else:
-            per_index = self._seq_generators.setdefault(seq.parent or seq, {})
-            gen = per_index.get(index)
-            if gen is None:
-                gen = per_index[index] = torch.Generator(device=self.device).manual_seed(seed + index)
-                if undo_log is not None:
-                    undo_log.record(lambda: per_index.pop(index))
-                return gen
+        per_index = self._seq_generators.setdefault(seq.parent or seq, {})
+        gen = per_index.get(index)
+        if gen is not None:
+            return _ready_to_draw(gen, undo_log)
+        gen = per_index[index] = torch.Generator(device=self.device).manual_seed(seq.sampling_params.seed + index)
         if undo_log is not None:
-            undo_log.record(lambda state=gen.get_state(): gen.set_state(state))
+            undo_log.record(lambda: per_index.pop(index))
         return gen
 
     @torch.inference_mode()
@@ -121,7 +115,7 @@ class Sampler:
             shared = [j for j, i in enumerate(sampled) if targets[i][0].sampling_params.seed is None]
             if shared:
                 noise[shared] = torch.empty((len(shared), probs.shape[1]), device=probs.device).exponential_(
-                    generator=self._generator(targets[sampled[shared[0]]][0], 0, undo_log))
+                    generator=_ready_to_draw(self.generator, undo_log))
             for j, i in enumerate(sampled):
                 seq, index, _ = targets[i]
                 if seq.sampling_params.seed is not None:
@@ -129,3 +123,10 @@ class Sampler:
             # (clamped: a zero draw would turn a filtered 0 / 0 into NaN)
             tokens[idx] = (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)
         return tokens.tolist()
+
+
+def _ready_to_draw(gen: torch.Generator, undo_log) -> torch.Generator:
+    """``gen``, its state recorded in ``undo_log`` (if any) so that an undone step draws again."""
+    if undo_log is not None:
+        undo_log.record(lambda state=gen.get_state(): gen.set_state(state))
+    return gen
