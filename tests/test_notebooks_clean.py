@@ -55,8 +55,24 @@ def test_chapter_has_exercises_with_self_checks_and_a_summary(path):
     assert any("exercise" in h.lower() for h in heads), "no exercises section"
     assert any("summary" in h.lower() for h in heads), "no summary section"
     code = "".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
-    assert "check(" in code, "exercises without a self-check"
-    assert "show_source(" in code or path.stem == "07_claims", "the chapter does not show the package's code"
+    assert re.search(r"\b(check|check_function|predict)\(", code), "exercises without a self-check"
+    assert "show_source(" in code, "the chapter does not show the package's code"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_written_answers_are_folded(path):
+    """An answer written out in the Solutions (a numbered item) sits inside ``<details>``, so a
+    reader who scrolls there for the code checks does not read the answers by accident."""
+    nb = json.loads(path.read_text())
+    cells = nb["cells"]
+    start = max(i for i, c in enumerate(cells) if c["cell_type"] == "markdown"
+                and "".join(c["source"]).startswith("## Solutions"))
+    for c in cells[start:]:
+        text = "".join(c["source"])
+        if c["cell_type"] == "markdown" and re.search(r"^\d+\. ", text, re.MULTILINE):
+            before, _, folded = text.partition("<details>")
+            assert folded and "</details>" in folded and not re.search(r"^\d+\. ", before, re.MULTILINE), \
+                f"{path.name}: answers in the Solutions are not folded in <details>"
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
