@@ -9,6 +9,8 @@ Face's; forks and beams inherit the salt; a bad salt raises with nothing queued.
 """
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import xxhash
@@ -239,3 +241,40 @@ def test_a_bad_prompt_dict_raises_and_queues_nothing(llm, prompt, error, match, 
     assert not llm.has_unfinished_requests()
     assert (bm.num_free_blocks, len(llm.scheduler.waiting), len(llm.scheduler.running),
             bm.prefix_cache_stats.requests) == before
+
+
+ENGINES = {
+    "preemption-recompute": dict(block_size=4, num_kvcache_blocks=14, max_num_seqs=6),
+    "preemption-swap": dict(block_size=4, num_kvcache_blocks=14, max_num_seqs=6, preemption_mode="swap",
+                            num_cpu_blocks=64),
+    "mixed-chunked-same-step-hits": dict(block_size=4, num_kvcache_blocks=64, scheduling="mixed",
+                                         max_num_batched_tokens=12, same_step_prefix_hits=True),
+}
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_salts_hold_through_preemption_swap_chunking_and_same_step_hits(name):
+    """Prompts that share a 12-token prefix, served together under each scheduler path that
+    looks the prefix cache up (readmission after preemption, swap-in, prompt chunks, same-step
+    hits): the tokens are the unsalted engine's, and a request whose salt nobody else has finds
+    nothing cached."""
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 500) for _ in range(12)]
+    prompts = [shared + [rng.randrange(3, 500) for _ in range(3 + i % 4)] for i in range(8)]
+    salts = ["team", "team", "solo-1", None, "team", "solo-2", None, "team"]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    plain = LLM(MODEL, **CPU, **ENGINES[name]).generate(prompts, params, use_tqdm=False)
+    llm = LLM(MODEL, **CPU, **ENGINES[name])
+    salted = llm.generate([{"prompt_token_ids": p, "cache_salt": s} if s else p for p, s in zip(prompts, salts)],
+                          params, use_tqdm=False)
+    assert [o.token_ids for o in salted] == [o.token_ids for o in plain]
+    for out, salt in zip(salted, salts):
+        if salt is not None and salt.startswith("solo"):
+            assert out.num_cached_tokens == 0, salt
+    # and the salt is not simply ignored: requests of one salt do share
+    assert any(o.num_cached_tokens > 0 for o, s in zip(salted, salts) if s == "team")
+    m = llm.get_metrics()
+    assert m.num_requests_running == m.num_requests_waiting == 0
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    if "preemption" in name:
+        assert m.num_preemptions > 0
