@@ -4,14 +4,15 @@
     .venv/bin/python benchmarks/prefix_timing_attack.py --trials 400 --candidates 16
     .venv/bin/python benchmarks/prefix_timing_attack.py --block-sizes 4 16 64
 
-A victim sends a prompt with a secret in it -- a shared system prompt, then "The patient's name
-is <one of N names>. ..." -- and an attacker, who knows the template but not the name, sends one
+A victim sends a prompt with a secret in it -- a shared system prompt, then "<one of N names> is
+the patient. ..." -- and an attacker, who knows the template but not the name, sends one
 probe per candidate name (in random order) and ranks them by the time to first token measured
 from the client's side. The probe that repeats the victim's block finds it cached and skips a
 block of prefill. Printed per scenario (``course_pkg.workloads.side_channel.SCENARIOS``): the
 attacker's accuracy by TTFT and by the ``num_cached_tokens`` the server reports, each with a 95%
 Wilson interval, against chance (1 / N), and the ROC AUC of the TTFT signal over all probes.
-Then: the same attack by block size, with the secret in the victim's last, partial block, and
+Then: the same attack by block size, with the secret in the victim's last, partial block (the
+victim asks for one token, so that block never fills), and
 the price of the fix, the prefix-cache hit rate of a shared-system-prompt workload by salting
 rule. The shipped tiny model on the CPU, one torch thread. Timings depend on the machine and its
 load; accuracies and AUCs are what to read.

@@ -96,4 +96,8 @@ def check_cache_salt(value) -> str | None:
         raise TypeError(f"cache_salt must be a non-empty str, got {type(value).__name__} {value!r}")
     if not value:
         raise ValueError("cache_salt must be a non-empty str, got '': leave it out for no salt")
+    try:
+        value.encode("utf-8")     # it is hashed as UTF-8 bytes: refuse lone surrogates now
+    except UnicodeEncodeError as e:
+        raise ValueError(f"cache_salt must be valid Unicode text, got {value!r}: {e.reason}") from None
     return value
