@@ -41,6 +41,7 @@ import queue
 import threading
 import time
 import uuid
+from pathlib import Path
 from collections.abc import AsyncIterator, Sequence as SequenceABC
 from dataclasses import dataclass, field, replace
 
@@ -159,6 +160,7 @@ class AsyncLLM:
         self.max_step_retries = max_step_retries
         cfg_model = self.engine.engine_config.model
         self.model_path = default_model_path() if cfg_model is None else cfg_model
+        self.model_name = "course-tiny" if cfg_model is None else Path(cfg_model).name   # as the metrics label it
         # The output processor's own tokenizer: the engine thread may be decoding with its own
         # at the same moment (vLLM's API server also holds a tokenizer of its own).
         self.tokenizer = load_tokenizer(self.model_path)
@@ -225,11 +227,17 @@ class AsyncLLM:
         """Stream one request's outputs as its tokens arrive (vLLM's ``AsyncLLM.generate``).
 
         ``stop``: strings that end a completion when its text contains one (the text is cut
-        before it; ``finish_reason`` is ``"stop"``). Leaving the loop early, or cancelling the
-        task, aborts the request. Raises :class:`EngineGenerateError` if a step kept failing
-        with this request in it, :class:`EngineDeadError` if the engine shut down meanwhile.
+        before it; ``finish_reason`` is ``"stop"``, ``stop_reason`` the string). Leaving the
+        loop early, or cancelling the task, aborts the request. Raises what ``add_request``
+        raises, :class:`EngineGenerateError` if a step kept failing with this request in it,
+        :class:`EngineDeadError` if the engine shut down meanwhile.
         """
         state = await self.add_request(prompt, sampling_params, request_id, stop=stop, output_kind=output_kind)
+        async for out in self.outputs(state):
+            yield out
+
+    async def outputs(self, state: RequestState) -> AsyncIterator[RequestOutput]:
+        """The outputs of a request queued by ``add_request`` (the second half of ``generate``)."""
         try:
             while not state.finished:
                 item = await state.queue.get()
@@ -240,14 +248,19 @@ class AsyncLLM:
                 if out is not None:
                     yield out
         finally:
-            self._by_request_id.pop(state.request_id, None)
-            if not state.engine_done:   # cancelled, left early, or ended on stop strings
-                self._commands.put(("abort", state))
+            self.abort_state(state)
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request by its id (its ``generate`` then stops; a finished one is ignored)."""
+        """Abort a request by its id: its blocks are freed before the next step, and its
+        ``generate`` ends with ``finish_reason="abort"`` (a finished request is left alone)."""
         state = self._by_request_id.get(request_id)
         if state is not None:
+            self.abort_state(state)
+
+    def abort_state(self, state: RequestState) -> None:
+        """``abort`` for a RequestState; safe from any thread, and a no-op once it is done."""
+        self._by_request_id.pop(state.request_id, None)
+        if not state.engine_done:   # cancelled, left early, or ended on stop strings
             self._commands.put(("abort", state))
 
     def call_in_engine_thread(self, fn, timeout: float = 30.0):
@@ -262,6 +275,10 @@ class AsyncLLM:
         if not ok:
             raise value
         return value
+
+    def call_in_engine_thread_nowait(self, fn) -> None:
+        """``fn(engine, live_sequences)`` queued for the engine thread; its result is dropped."""
+        self._commands.put(("call", (fn, None)))
 
     def add_step_listener(self, callback) -> None:
         """``callback(engine, live_sequences)`` runs on the engine thread now and after every
@@ -287,8 +304,10 @@ class AsyncLLM:
         self.shutdown()
 
     def _dead(self) -> EngineDeadError:
-        why = f": {type(self.errored).__name__}: {self.errored}" if self.errored else ""
-        return EngineDeadError(f"the engine loop is not running (it was shut down{why})")
+        if self.errored is not None:
+            return EngineDeadError(f"the engine loop died ({type(self.errored).__name__}: {self.errored}); "
+                                   f"requests in flight were aborted")
+        return EngineDeadError("the engine was shut down; requests in flight were aborted")
 
     # ------------------------------------------------------------ the output processor
 
@@ -414,9 +433,11 @@ class AsyncLLM:
     def _do_call(self, arg) -> None:
         fn, result = arg
         try:
-            result.put((True, fn(self.engine, self.live_sequences())))
-        except BaseException as e:
-            result.put((False, e))
+            value = (True, fn(self.engine, self.live_sequences()))
+        except Exception as e:
+            value = (False, e)
+        if result is not None:
+            result.put(value)
 
     def _do_listen(self, callback) -> None:
         self._dashboards.append(callback)
@@ -513,7 +534,7 @@ class AsyncLLM:
                 break
             if command == "add":
                 arg.loop.call_soon_threadsafe(_set_exception, arg.added, error)
-            elif command == "call":
+            elif command == "call" and arg[1] is not None:
                 arg[1].put((False, error))
 
     # ------------------------------------------------------------ the dashboard's feed
