@@ -326,7 +326,10 @@ class AsyncLLM:
             if self.tokenizer is not None:
                 text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
                 if state.stop:
-                    cut, which = _find_stop(text, state.stop, start=max(0, len(c.text) - max(map(len, state.stop))))
+                    # Search only where a new stop string can be: the old text's stable part
+                    # (without a trailing U+FFFD) less a stop string's length.
+                    start = max(0, len(c.text.rstrip("\ufffd")) - max(map(len, state.stop)) + 1)
+                    cut, which = _find_stop(text, state.stop, start)
                     if which is not None:
                         text, c.finish_reason, c.stop_reason = text[:cut], "stop", which
                 c.text = text
@@ -410,7 +413,7 @@ class AsyncLLM:
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests wait): "
                                      f"try again later")
             rid = engine.add_request(state.engine_prompt, state.sampling_params)
-        except BaseException as e:
+        except Exception as e:
             state.loop.call_soon_threadsafe(_set_exception, state.added, e)
             return
         state.engine_id, state.seq = rid, engine.get_sequence(rid)
@@ -481,7 +484,7 @@ class AsyncLLM:
                 reasons[seq.index] = seq.finish_reason
         if not new_tokens and out is None and not reasons:
             return None
-        req = self.engine._requests.get(state.engine_id)
+        req = self.engine._requests.get(state.engine_id)   # the times so far (no public accessor yet)
         metrics = out.metrics if out is not None else (req.metrics if req is not None else None)
         cached = out.num_cached_tokens if out is not None else (req.num_cached_tokens if req is not None else 0)
         return _Delta(new_tokens, new_lps, reasons, len(state.seq_prompt_ids), cached,
