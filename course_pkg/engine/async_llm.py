@@ -458,14 +458,17 @@ class AsyncLLM:
             return
         self._faults = 0
         done = {out.request_id: out for out in finished}
+        deltas = []
         for rid, state in list(self._states.items()):
             out = done.get(rid)
             delta = self._collect(state, out)
             if out is not None:
                 del self._states[rid]
             if delta is not None:
-                state.put(delta)
-        self._publish()
+                deltas.append((state, delta))
+        self._publish()   # first the listeners (the dashboard) see the step, then the callers get its tokens
+        for state, delta in deltas:
+            state.put(delta)
 
     def _collect(self, state: RequestState, out: RequestOutput | None) -> _Delta | None:
         """The tokens a request gained in the last step (read off its live sequences)."""
