@@ -119,6 +119,25 @@ def test_prompt_as_token_ids_and_cached_tokens(client, offline):
     assert again.usage.prompt_tokens_details.cached_tokens == (len(ids) - 1) // 16 * 16
 
 
+def test_cache_salt_shares_cached_blocks_only_within_one_salt(client, offline):
+    ids = list(range(200, 240))   # 40 tokens: two full blocks a later request could hit
+    ref = reference(offline, [ids], GREEDY)[0]
+
+    def cached(salt=None):
+        got = client.completions.create(model=NAME, prompt=ids, extra_body={} if salt is None else {"cache_salt": salt},
+                                        **api_kwargs(GREEDY))
+        assert got.choices[0].text == ref.text   # a salt changes what is shared, never the tokens
+        return got.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("alice") == 0
+    assert cached("bob") == 0          # same tokens, another salt: no hit
+    assert cached() == 0               # no salt is a salt of its own
+    assert cached("alice") == 32       # the same salt shares both full blocks
+    assert cached() == 32
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        cached("")
+
+
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_streamed_chunks_concatenate_to_the_offline_completion(client, offline, params):
     ref = reference(offline, PROMPTS[:3], params)
@@ -376,6 +395,23 @@ def test_a_persistent_fault_fails_only_the_requests_of_its_step(offline, one_tor
         assert wait_idle(llm)[0] == CONFIG["num_kvcache_blocks"]
     finally:
         llm.shutdown()
+
+
+def test_a_step_that_keeps_failing_is_a_500_in_openai_shape_and_the_server_lives_on(served):
+    llm, server = served
+    with FlakyRunner(llm.engine.model_runner, poison=900):
+        whole = post(server, "/v1/completions", {"prompt": [7, 7, 900], "max_tokens": 3})
+        assert_openai_error(whole, 500, "injected fault", "aborted")
+        assert whole.json()["error"]["code"] == "engine_step_failed"
+        with httpx.stream("POST", server.url + "/v1/completions",
+                          json={"prompt": [8, 900], "max_tokens": 3, "stream": True}) as r:
+            assert r.status_code == 200   # queued fine; the fault comes once the stream has begun
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "injected fault" in json.loads(events[-2])["error"]["message"]
+        fine = post(server, "/v1/completions", {"prompt": [7, 7, 8], "max_tokens": 3})
+        assert fine.status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert wait_idle(llm)[0] == CONFIG["num_kvcache_blocks"]
 
 
 def test_shutdown_aborts_requests_in_flight_with_a_clear_error(one_torch_thread):

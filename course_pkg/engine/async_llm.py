@@ -106,8 +106,8 @@ class RequestState:
     def __init__(self, request_id: str, prompt, sampling_params: SamplingParams, stop: tuple[str, ...],
                  output_kind: RequestOutputKind, loop: asyncio.AbstractEventLoop):
         self.request_id = request_id
-        self.prompt = prompt if isinstance(prompt, str) else None
-        self.engine_prompt = prompt
+        self.prompt = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+        self.engine_prompt = prompt   # what LLMEngine.add_request takes (text, ids, or a dict with a cache_salt)
         self.sampling_params = sampling_params
         self.stop = stop
         self.output_kind = output_kind

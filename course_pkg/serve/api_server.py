@@ -5,7 +5,7 @@
 * ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` -- OpenAI's
   shapes, ``stream: true`` as server-sent events (``data: {chunk}`` lines, then
   ``data: [DONE]``), ``usage`` with ``prompt_tokens_details.cached_tokens`` (the prompt tokens
-  the prefix cache provided);
+  the prefix cache provided), and vLLM's ``cache_salt`` (chapter 12);
 * ``GET /health`` (200 while the engine loop runs), ``GET /metrics`` (the engine's Prometheus
   registry, vLLM's names);
 * ``GET /dashboard`` and its feed ``GET /dashboard/events`` (:mod:`course_pkg.serve.dashboard`).
@@ -27,7 +27,7 @@ from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from course_pkg.engine.async_llm import (AsyncLLM, EngineDeadError, EngineGenerateError, QueueFullError,
@@ -184,8 +184,10 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None) -> FastAPI:
         if stop is not None and (len(stop) > 4 or any(s == "" for s in stop)):
             raise APIError("stop takes at most 4 strings, none of them empty", param="stop")
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+        # A salted prompt is vLLM's TokensPrompt with a cache_salt (chapter 12); the engine checks the salt.
+        prompt = ids if req.cache_salt is None else {"prompt_token_ids": ids, "cache_salt": req.cache_salt}
         try:
-            state = await llm.add_request(ids, params, f"{prefix}-{uuid.uuid4().hex[:16]}", stop=stop,
+            state = await llm.add_request(prompt, params, f"{prefix}-{uuid.uuid4().hex[:16]}", stop=stop,
                                           output_kind=kind)
         except Exception as e:
             raise as_api_error(e) from None

@@ -34,8 +34,7 @@ class SamplingFields(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False
     return_tokens_as_token_ids: bool | None = False   # vLLM's: logprobs name tokens "token_id:<id>"
-    # TODO(cache_salt, chapter 12): accept `cache_salt: str | None` here and pass it on as
-    # {"prompt": ..., "cache_salt": ...} once LLMEngine.add_request takes prompt dicts.
+    cache_salt: str | None = None   # chapter 12 (vLLM's field): share cached blocks only within one salt
 
 
 class CompletionRequest(SamplingFields):
