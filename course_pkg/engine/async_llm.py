@@ -215,8 +215,9 @@ class AsyncLLM:
             await state.added
         except BaseException:
             self._by_request_id.pop(request_id, None)
-            if state.added.done() and not state.added.cancelled() and state.added.exception() is None:
-                self._commands.put(("abort", state))   # cancelled after it was queued
+            refused = state.added.done() and not state.added.cancelled() and state.added.exception() is not None
+            if not refused:   # cancelled while queued: this abort runs after the add, and undoes it
+                self._commands.put(("abort", state))
             raise
         return state
 
