@@ -97,8 +97,9 @@ def main() -> None:
         bodies = [{"prompt": p, "max_tokens": k, "temperature": 0.0, "ignore_eos": True, "logprobs": 0}
                   for p in prompts]
         asyncio.run(run_load(url, bodies[:8], [0.0] * 8))   # warm-up
-        print(f"\nserver (its own process), Poisson arrivals, measured at the client:")
-        print(f"{'offered':>9} {'served':>8} {'/offline':>9} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8}  statuses")
+        print("\nserver (its own process), Poisson arrivals, measured at the client:")
+        print(f"{'offered':>9} {'served':>8} {'/offline':>9} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8}"
+              "  statuses")
         mismatches = 0
         for rate in args.rates + [float("inf")]:
             arrivals = [0.0] * n if rate == float("inf") else poisson_arrivals(n, rate, seed=int(rate))

@@ -150,7 +150,8 @@ def test_streamed_chunks_concatenate_to_the_offline_completion(client, offline, 
         assert len(text_chunks) >= 2, "a stream of one chunk streams nothing"
         assert "".join(c.choices[0].text for c in text_chunks) == want.text
         assert [t for c in text_chunks for t in token_ids(c.choices[0].logprobs)] == want.token_ids
-        assert [c.choices[0].finish_reason for c in text_chunks] == [None] * (len(text_chunks) - 1) + [want.finish_reason]
+        reasons = [c.choices[0].finish_reason for c in text_chunks]
+        assert reasons == [None] * (len(text_chunks) - 1) + [want.finish_reason]
         assert chunks[-1].usage.completion_tokens == len(want.token_ids)
 
 
@@ -283,7 +284,9 @@ def test_a_full_waiting_queue_is_a_503(one_torch_thread):
                             pass   # the first token: the long request runs, and holds the one seat
                         waiters = [asyncio.ensure_future(http.post("/v1/completions", json={
                             "prompt": f"Waiter {i}", "max_tokens": 2})) for i in range(2)]
+                        deadline = time.monotonic() + 30
                         while metric(server, "vllm:num_requests_waiting") < 2:
+                            assert time.monotonic() < deadline, "the two waiters never queued"
                             await asyncio.sleep(0.01)
                         refused = await http.post("/v1/completions", json={"prompt": "One more", "max_tokens": 2})
                         assert_openai_error(refused, 503, "waiting queue is full")
@@ -524,6 +527,24 @@ def test_64_streaming_clients_a_quarter_leaving(served, offline):
     assert free == total
     assert metric(server, "vllm:num_requests_running") == 0
     assert metric(server, "vllm:num_requests_waiting") == 0
+
+
+# ------------------------------------------------------------------ the load client's arithmetic
+
+def test_load_client_percentiles_and_arrivals_against_numpy():
+    import numpy as np
+
+    from course_pkg.serve.load import percentile, poisson_arrivals, scaled_arrivals
+
+    rng = random.Random(3)
+    for n in (1, 2, 7, 100):
+        values = [rng.expovariate(1.0) for _ in range(n)]
+        for q in (0, 50, 90, 99, 100):
+            assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    times = poisson_arrivals(4000, 50.0, seed=1)
+    assert times == sorted(times) and len(times) / times[-1] == pytest.approx(50.0, rel=0.05)
+    scaled = scaled_arrivals([100, 100, 300, 1100], 4, rate=2.0)
+    assert scaled == pytest.approx([0.0, 0.0, 0.3, 1.5])   # 3 gaps at 2 per second: 1.5 s, shape kept
 
 
 # ------------------------------------------------------------------ the command line

@@ -491,9 +491,10 @@ class AsyncLLM:
         req = self.engine._requests.get(state.engine_id)   # the times so far (no public accessor yet)
         metrics = out.metrics if out is not None else (req.metrics if req is not None else None)
         cached = out.num_cached_tokens if out is not None else (req.num_cached_tokens if req is not None else 0)
-        return _Delta(new_tokens, new_lps, reasons, len(state.seq_prompt_ids), cached,
-                      None if metrics is None else replace(metrics, inter_token_latencies=list(metrics.inter_token_latencies),
-                                                           token_steps=list(metrics.token_steps)),
+        if metrics is not None:   # a copy: the engine goes on appending to the live one
+            metrics = replace(metrics, inter_token_latencies=list(metrics.inter_token_latencies),
+                              token_steps=list(metrics.token_steps))
+        return _Delta(new_tokens, new_lps, reasons, len(state.seq_prompt_ids), cached, metrics,
                       finished=out is not None)
 
     def _on_step_fault(self, error: Exception) -> None:
