@@ -551,17 +551,20 @@ class BlockManager:
         return min(num_lookahead_tokens, len(seq.block_table) * bs - seq.num_tokens)
 
     def free_lookahead_slots(self, seq: Sequence) -> list[int]:
-        """After verification: give back the blocks past ``seq``'s last token (the rollback of
-        rejected drafts); returns their ids.
+        """After verification, the rollback of rejected drafts: give back every block past the
+        last *computed* token of ``seq`` (``num_cached_tokens``); returns their ids.
 
-        Such a block held only drafts that were rejected (or slots no draft used): it goes back
-        to the *head* of the free queue, where ``allocate_lookahead_slots`` took it from, so the
-        queue is as if it had never been taken. It holds nothing worth caching and was never
-        registered. A block that keeps an accepted token stays; its rejected slots are simply
-        overwritten by the next step (the sequence's ``num_cached_tokens`` does not count them).
+        Such a block holds no verified K/V -- only drafts that were rejected, slots no draft
+        used, or the slot of the newest token, which is computed next step -- so the table is
+        left exactly as a step without speculation leaves it. The blocks go back to the *head*
+        of the free queue, where ``allocate_lookahead_slots`` took them from: the queue is as if
+        they had never been taken (the next step's ``may_append`` takes the first one again).
+        They were never registered. A block that keeps an accepted token stays; its rejected
+        slots are simply overwritten by the next step (``num_cached_tokens`` does not count them).
         """
         self._check_holder(seq)
-        extra = seq.block_table[seq.num_blocks:]
+        keep = -(-seq.num_cached_tokens // self.block_size)
+        extra = seq.block_table[keep:]
         if not extra:
             return []
         self._save(seq)
@@ -573,7 +576,7 @@ class BlockManager:
             self._save(block)
             block.ref_count = 0
             self._release_to_head(block)
-        del seq.block_table[seq.num_blocks:]
+        del seq.block_table[keep:]
         return extra
 
     def _release_to_head(self, block: Block) -> None:
