@@ -678,7 +678,9 @@ class Scheduler:
             raise ValueError(f"{len(out.seqs)} sequences were scheduled but {len(logprobs)} logprob lists came back")
         for i, (seq, n, tokens) in enumerate(zip(out.seqs, out.num_samples, token_ids)):
             lookahead = out.num_lookahead_tokens[i] if out.num_lookahead_tokens else 0
-            if not isinstance(tokens, (list, tuple)) or not (len(tokens) == n or 1 <= len(tokens) <= 1 + lookahead):
+            fits = isinstance(tokens, (list, tuple)) and (
+                len(tokens) == n if not lookahead else 1 <= len(tokens) <= 1 + lookahead)
+            if not fits:
                 expected = f"{n}" if not lookahead else f"1 to {1 + lookahead}"
                 raise ValueError(f"sequence {seq.seq_id} samples {expected} token(s) in this step: expected a list "
                                  f"of {expected} token ids, got {tokens!r}")
