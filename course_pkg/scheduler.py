@@ -359,6 +359,8 @@ class Scheduler:
             # Between steps every sequence has num_scheduled_tokens == 0: one entry undoes them all.
             log.record(partial(_unschedule_tokens, plan.seqs))
             self.admission.schedule(self, plan)
+            if self.num_lookahead_tokens:
+                self._schedule_lookahead(plan)
             if not plan.seqs and self.waiting:
                 n = len(self.waiting)
                 raise RuntimeError(f"nothing could be scheduled although {n} request{'s' if n > 1 else ''} "
@@ -422,12 +424,10 @@ class Scheduler:
 
     def _schedule_decodes(self, plan: StepPlan) -> int:
         """One token for each running sequence, oldest first, preempting where blocks run out;
-        returns the number of tokens scheduled (one per sequence, plus lookahead slots).
+        returns the number of sequences scheduled.
 
         A sequence whose new token starts a block it cannot get preempts a victim
         (``_choose_victim``: the most recently admitted) until it can, or preempts itself.
-        With speculative decoding, the decodes then get their lookahead slots
-        (``_schedule_lookahead``) from what is left.
         """
         bm = self.block_manager
         num_decodes = 0
@@ -445,22 +445,25 @@ class Scheduler:
                 self._schedule_tokens(plan, seq, 1, decode=True)
                 num_decodes += 1
                 i += 1
-        if not self.num_lookahead_tokens:
-            return num_decodes
-        decodes = [self.running[j] for j in range(num_decodes)]   # (the sequences scheduled above)
-        return num_decodes + self._schedule_lookahead(decodes, plan, self.max_num_batched_tokens - num_decodes)
+        return num_decodes
 
-    def _schedule_lookahead(self, decodes: list[Sequence], plan: StepPlan, budget: int) -> int:
+    def _schedule_lookahead(self, plan: StepPlan) -> int:
         """Slots for the drafts of speculative decoding (chapter 14; vLLM's
-        ``num_lookahead_tokens``): up to ``num_lookahead_tokens`` positions after each decoding
-        sequence's newest token, within the token ``budget``; returns the slots given.
+        ``num_lookahead_tokens``), once the admission policy has filled the step: up to
+        ``num_lookahead_tokens`` positions after the newest token of every sequence that
+        computes only that token and samples one (a decode), within what is left of the token
+        budget; returns the slots given.
 
-        Lookahead takes only free blocks -- it never preempts -- and never more than the
-        request can still use (a step yields at most one token more than its drafts). A
-        sequence that cannot get a block for all of them gets fewer: a draft that has no slot
-        is not proposed. The slots of rejected drafts are given back in ``update_from_output``.
+        Lookahead takes only free blocks -- it never preempts, and the step's decodes and
+        prompts had their blocks first -- and never more than the request can still use (a
+        step yields at most one token more than its drafts). A sequence that cannot get a block
+        for all of them gets fewer: a draft that has no slot is not proposed. The slots of
+        rejected drafts are given back in ``update_from_output``.
         """
         bm = self.block_manager
+        budget = self.max_num_batched_tokens - sum(s.num_scheduled_tokens for s in plan.seqs)
+        decodes = [s for s in plan.seqs if s.num_scheduled_tokens == 1 and s.num_cached_tokens == s.num_tokens - 1
+                   and self._num_samples(s) == 1]
         total = 0
         for seq in decodes:
             final_len = seq.num_prompt_tokens + seq.max_tokens
@@ -521,7 +524,7 @@ class Scheduler:
             plan.num_decode_seqs += 1
         else:
             plan.num_prompt_seqs += 1
-        if self.same_step_prefix_hits:   # (lookahead slots come later and are never registered)
+        if self.same_step_prefix_hits:
             before = len(seq.block_hashes)
             self.block_manager.hash_blocks(seq, seq.num_cached_tokens + num_tokens)
             plan.registered_blocks += seq.block_table[before:len(seq.block_hashes)]

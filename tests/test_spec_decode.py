@@ -543,3 +543,22 @@ def test_a_fault_in_the_draft_the_verification_or_the_rollback_undoes_the_step(c
             ("model_runner", "propose"), ("spec_decode", "greedy_accept"), ("spec_decode", "rejection_sample")}
     must |= {("proposer", "propose")} if spec is NGRAM else {("model_runner", "_propose_early_exit")}
     assert must <= fired, f"never hit: {sorted(must - fired)}"
+
+
+def test_forks_speculate_each_and_greedy_logprobs_are_the_targets():
+    """n completions fork after the first token and then speculate one by one; greedy cumulative
+    log-probabilities equal those of the engine without speculation."""
+    prompts = text_prompts()[:3]
+    llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=128, speculative_config=DRAFT)
+    outs = llm.generate(prompts, SamplingParams(n=3, temperature=0.9, seed=5, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [12] * 9
+    assert llm.get_metrics().spec_decode_num_drafts > 9
+    check_invariants(llm.block_manager, [])
+    sp = SamplingParams(max_tokens=14, **GREEDY)
+    plain = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=128).generate(prompts, sp, use_tqdm=False)
+    spec = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=128, speculative_config=DRAFT).generate(
+        prompts, sp, use_tqdm=False)
+    for a, b in zip(plain, spec):
+        assert a.token_ids == b.token_ids
+        assert b.outputs[0].cumulative_logprob == pytest.approx(a.outputs[0].cumulative_logprob, abs=1e-4)

@@ -14,6 +14,11 @@ serves. Three kinds, as in vLLM v1:
   vLLM's buckets: ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
   ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``.
 
+An engine that speculates (chapter 14) also registers vLLM's speculative-decoding counters:
+``vllm:spec_decode_num_drafts``, ``vllm:spec_decode_num_draft_tokens``,
+``vllm:spec_decode_num_accepted_tokens`` and ``vllm:spec_decode_num_accepted_tokens_per_pos``
+(one child per draft position, label ``position``, 0-based).
+
 Counters cannot be set, only increased, so ``update`` adds what the engine's totals grew by
 since the last call. Two counters of this course carry its own prefix, not vLLM's, because vLLM
 v1 has no swapping: ``course:num_swapped_out`` and ``course:num_swap_fallbacks`` (swap
