@@ -4,12 +4,12 @@ The core bookkeeping (Block, Sequence, BlockManager, Scheduler) imports no torch
 engine (LLM, LLMEngine, ModelRunner) is imported lazily, on first use.
 """
 from course_pkg.block import Block
-from course_pkg.block_manager import BlockManager, NoFreeBlocksError, compute_hash
+from course_pkg.block_manager import BlockManager, NoFreeBlocksError, compute_hash, salt_hash
 from course_pkg.sampling_params import SamplingParams
 from course_pkg.sequence import Sequence, SequenceStatus
 
 __all__ = [
-    "Block", "BlockManager", "NoFreeBlocksError", "compute_hash",
+    "Block", "BlockManager", "NoFreeBlocksError", "compute_hash", "salt_hash",
     "SamplingParams", "Sequence", "SequenceStatus",
 ]  # Scheduler, LLM and LLMEngine are imported on first access (see __getattr__).
 

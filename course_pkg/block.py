@@ -16,10 +16,12 @@ class Block:
     registered); ``token_ids`` are the tokens it holds, kept to confirm a hash hit.
     ``prefix_id`` names, exactly, the whole token prefix that ends with this block, and
     ``parent_prefix_id`` the prefix before it (-1: none; chapter 04 explains why the hash
-    alone is not trusted).
+    alone is not trusted). ``cache_salt`` is the salt of the request whose *first* block this
+    is (``None``: no salt, or not a first block; chapter 12): requests with different salts
+    never share a block.
     """
 
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "prefix_id", "parent_prefix_id")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "prefix_id", "parent_prefix_id", "cache_salt")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -28,13 +30,16 @@ class Block:
         self.token_ids: list[int] = []
         self.prefix_id = -1
         self.parent_prefix_id = -1
+        self.cache_salt: str | None = None
 
-    def update(self, hash: int, token_ids: list[int], prefix_id: int = -1, parent_prefix_id: int = -1) -> None:
+    def update(self, hash: int, token_ids: list[int], prefix_id: int = -1, parent_prefix_id: int = -1,
+               cache_salt: str | None = None) -> None:
         """Register the block's content: its chained hash, its tokens, its exact prefix."""
         self.hash = hash
         self.token_ids = list(token_ids)
         self.prefix_id = prefix_id
         self.parent_prefix_id = parent_prefix_id
+        self.cache_salt = cache_salt
 
     def reset(self) -> None:
         """Prepare the block for new content.
@@ -47,6 +52,7 @@ class Block:
         self.token_ids = []
         self.prefix_id = -1
         self.parent_prefix_id = -1
+        self.cache_salt = None
 
     @property
     def is_free(self) -> bool:

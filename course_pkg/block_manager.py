@@ -69,6 +69,16 @@ def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
     return h.intdigest()
 
 
+def salt_hash(cache_salt: str | None) -> int:
+    """Where a request's hash chain starts: -1 (no parent) without a salt, else a hash of the salt.
+
+    The first block's hash is chained on it as on a parent's hash, so a ``cache_salt`` enters
+    the hash of the first block only and every later block inherits it through the chain --
+    as vLLM mixes the salt into the first block's hash (chapter 12).
+    """
+    return -1 if cache_salt is None else xxhash.xxh64(b"cache_salt:" + cache_salt.encode()).intdigest()
+
+
 class PrefixCacheStats:
     """Prefix-cache lookups counted in tokens, as vLLM v1 counts them.
 
@@ -175,7 +185,7 @@ class BlockManager:
         # The guards (see the module docstring): seq_id -> the Sequence object that holds
         # blocks; (parent prefix id, block tokens) -> [prefix id, blocks carrying it].
         self._holders: dict[int, Sequence] = {}
-        self._prefix_ids: dict[tuple[int, tuple[int, ...]], tuple[int, int]] = {}
+        self._prefix_ids: dict[tuple[int, tuple[int, ...], str | None], tuple[int, int]] = {}
         self._next_prefix_id = 0
         self.undo_log: UndoLog | None = None   # the running step's, if any (see the module docstring)
 
@@ -215,38 +225,43 @@ class BlockManager:
         hashes: list[int] = []
         if not self.enable_prefix_caching:
             return block_ids, hashes
-        h = -1
+        h = salt_hash(seq.cache_salt)   # -1 without a salt
         parent_prefix_id = -1
         for i in range((seq.num_tokens - 1) // self.block_size):
             token_ids = seq.block(i)
+            salt = seq.cache_salt if i == 0 else None   # a first block carries its salt
             h = self.compute_hash(token_ids, h)
             block_id = self.hash_to_block_id.get(h, -1)
-            if block_id == -1 or not self._confirms_hit(self.blocks[block_id], token_ids, parent_prefix_id):
+            if block_id == -1 or not self._confirms_hit(self.blocks[block_id], token_ids, parent_prefix_id, salt):
                 break
             block_ids.append(block_id)
             hashes.append(h)
             parent_prefix_id = self.blocks[block_id].prefix_id
         return block_ids, hashes
 
-    def _confirms_hit(self, block: Block, token_ids: list[int], parent_prefix_id: int) -> bool:
+    def _confirms_hit(self, block: Block, token_ids: list[int], parent_prefix_id: int,
+                      cache_salt: str | None = None) -> bool:
         """Does ``block`` hold these tokens right after the prefix matched so far?
 
         Comparing the block's own tokens is not enough: two different prefixes can end in the
         same block of tokens, and if their chained hashes collide the block's K/V belong to
         the other prefix. The parent's prefix id closes that gap: ids are exact (see
-        ``_prefix_id_for``), so equal ids mean the very same tokens from position 0 on.
+        ``_prefix_id_for``), so equal ids mean the very same tokens from position 0 on. A
+        first block must also carry the request's salt (chapter 12), compared exactly too.
         """
-        return block.token_ids == token_ids and block.parent_prefix_id == parent_prefix_id
+        return (block.token_ids == token_ids and block.parent_prefix_id == parent_prefix_id
+                and block.cache_salt == cache_salt)
 
-    def _prefix_id_for(self, parent_prefix_id: int, token_ids: list[int]) -> int:
+    def _prefix_id_for(self, parent_prefix_id: int, token_ids: list[int], cache_salt: str | None = None) -> int:
         """The exact id of "prefix ``parent_prefix_id`` followed by ``token_ids``"; counts one
         more block carrying it.
 
         A dict lookup compares keys by equality after their hash matches, so unlike
         ``hash_to_block_id`` this cannot mistake one prefix for another. Ids are never reused;
-        an entry ``(id, blocks carrying it)`` lives while some block carries that prefix.
+        an entry ``(id, blocks carrying it)`` lives while some block carries that prefix. A
+        first block's key holds its request's salt (``None`` for all other blocks).
         """
-        key = (parent_prefix_id, tuple(token_ids))
+        key = (parent_prefix_id, tuple(token_ids), cache_salt)
         prefix_id, carriers = self._prefix_ids.get(key, (self._next_prefix_id, 0))
         if prefix_id == self._next_prefix_id:
             self._set_next_prefix_id(prefix_id + 1)
@@ -257,7 +272,7 @@ class BlockManager:
         """``block`` is about to lose its content: one block fewer carries its prefix."""
         if block.prefix_id == -1:
             return
-        key = (block.parent_prefix_id, tuple(block.token_ids))
+        key = (block.parent_prefix_id, tuple(block.token_ids), block.cache_salt)
         prefix_id, carriers = self._prefix_ids[key]
         self._set_prefix_entry(key, (prefix_id, carriers - 1) if carriers > 1 else None)
 
@@ -387,7 +402,7 @@ class BlockManager:
         if log is None:
             return
         if isinstance(obj, Block):
-            log.save(obj, "ref_count", "hash", "token_ids", "prefix_id", "parent_prefix_id")
+            log.save(obj, "ref_count", "hash", "token_ids", "prefix_id", "parent_prefix_id", "cache_salt")
         else:
             log.save(obj, "block_table", "block_hashes", "num_cached_tokens")
 
@@ -658,9 +673,10 @@ class BlockManager:
         num_full = min(num_computed_tokens // self.block_size, len(seq.block_table))
         if num_full > len(seq.block_hashes):
             self._save(seq)
-        h = seq.block_hashes[-1] if seq.block_hashes else -1
+        h = seq.block_hashes[-1] if seq.block_hashes else salt_hash(seq.cache_salt)
         for i in range(len(seq.block_hashes), num_full):
             token_ids = seq.block(i)
+            salt = seq.cache_salt if i == 0 else None   # a first block carries its salt
             h = self.compute_hash(token_ids, h)
             block = self.blocks[seq.block_table[i]]
             if block.hash == h:   # shared with a fork that registered it already
@@ -668,7 +684,7 @@ class BlockManager:
                 continue
             parent_prefix_id = self.blocks[seq.block_table[i - 1]].prefix_id if i else -1
             self._save(block)
-            block.update(h, token_ids, self._prefix_id_for(parent_prefix_id, token_ids), parent_prefix_id)
+            block.update(h, token_ids, self._prefix_id_for(parent_prefix_id, token_ids, salt), parent_prefix_id, salt)
             self._set_index_entry(h, block.block_id)
             seq.block_hashes.append(h)
 

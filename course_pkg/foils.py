@@ -50,7 +50,8 @@ class TokenCheckBlockManager(BlockManager):
     prefixes that end in the same block of tokens are then told apart by their hashes alone.
     """
 
-    def _confirms_hit(self, block: Block, token_ids: list[int], parent_prefix_id: int) -> bool:
+    def _confirms_hit(self, block: Block, token_ids: list[int], parent_prefix_id: int,
+                      cache_salt: str | None = None) -> bool:
         return block.token_ids == token_ids  # the real one also compares the parent's prefix id
 
 

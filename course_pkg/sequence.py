@@ -9,7 +9,7 @@ from __future__ import annotations
 from enum import Enum, auto
 
 from course_pkg.sampling_params import SamplingParams
-from course_pkg.validation import check_positive_int, check_token_ids
+from course_pkg.validation import check_cache_salt, check_positive_int, check_token_ids
 
 
 class SequenceStatus(Enum):
@@ -84,8 +84,9 @@ class Sequence:
     _ids: "SequenceIds"   # (set below the class) ids in order, once; an undone fork gives its back
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
-                 block_size: int = 16):
+                 block_size: int = 16, cache_salt: str | None = None):
         check_positive_int("block_size", block_size)
+        cache_salt = check_cache_salt(cache_salt)
         token_ids = check_token_ids("token_ids", token_ids)
         if not token_ids:
             raise ValueError("a sequence needs at least one token (the prompt is empty)")
@@ -106,6 +107,9 @@ class Sequence:
         self.block_table: list[int] = []
         # Chained hashes of the leading full blocks whose K/V are computed and registered.
         self.block_hashes: list[int] = []
+        # Mixed into the hash of the first block (chapter 12): only requests with the same
+        # salt (or none) can share cached blocks. Forks inherit it.
+        self.cache_salt = cache_salt
         self.sampling_params = sampling_params
         self.temperature = sampling_params.temperature
         self.max_tokens = sampling_params.max_tokens

@@ -86,3 +86,18 @@ def check_token_ids(name: str, token_ids, vocab_size: int | None = None) -> list
             raise ValueError(f"{name}[{i}] is {t!r}: token ids must be integers {limit}"
                              + (" (the model's vocabulary)" if vocab_size is not None else ""))
     return token_ids
+
+
+def check_cache_salt(value) -> str | None:
+    """A request's ``cache_salt`` (chapter 12): ``None`` or a non-empty string."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"cache_salt must be a non-empty str, got {type(value).__name__} {value!r}")
+    if not value:
+        raise ValueError("cache_salt must be a non-empty str, got '': leave it out for no salt")
+    try:
+        value.encode("utf-8")     # it is hashed as UTF-8 bytes: refuse lone surrogates now
+    except UnicodeEncodeError as e:
+        raise ValueError(f"cache_salt must be valid Unicode text, got {value!r}: {e.reason}") from None
+    return value

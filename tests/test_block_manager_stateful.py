@@ -3,7 +3,8 @@
 After every step: free and used partition the pool, no block is twice in the free queue,
 ref counts sum to the block-table entries of live sequences, every index entry points at a
 block carrying that hash -- and, checked against a shadow model kept by the test itself,
-every prefix-cache hit hands out a block that really holds the K/V of the same prefix.
+every prefix-cache hit hands out a block that really holds the K/V of the same prefix,
+computed for a request with the same ``cache_salt`` (chapter 12: salts never share).
 When everything is released the pool is whole again.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tests.helpers import check_invariants, state
 # A few shared prefixes over a tiny alphabet: equal blocks at different positions are common,
 # which is what chained hashing must get right.
 PREFIXES = [[], [1, 2, 1, 2], [1, 2, 1, 2, 3, 3], [2, 1, 2, 1], [1, 2]]
+SALTS = [None, None, "alice", "bob"]     # unsalted requests are the common case
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -27,11 +29,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.block_size = block_size
         self.live: list[Sequence] = []       # hold blocks
         self.preempted: list[Sequence] = []  # released, waiting to be admitted again
-        # Shadow model: the token prefix whose K/V each physical block holds (None = garbage).
+        # Shadow model: (salt, token prefix) whose K/V each physical block holds (None = garbage).
         self.content: dict[int, tuple | None] = {}
 
     def _prefix_through(self, seq: Sequence, i: int) -> tuple:
-        return tuple(seq.token_ids[:(i + 1) * self.block_size])
+        return seq.cache_salt, tuple(seq.token_ids[:(i + 1) * self.block_size])
 
     def _admit(self, seq: Sequence, take_all: bool, data) -> None:
         n = self.bm.can_allocate(seq)
@@ -51,17 +53,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.bm.allocate(seq, k)
         for i, bid in enumerate(seq.block_table):
             if i < k:
-                assert self.content.get(bid) == self._prefix_through(seq, i), "hit on a block with other K/V"
+                assert self.content.get(bid) == self._prefix_through(seq, i), \
+                    "hit on a block with other K/V, or computed under another salt"
             else:
                 self.content[bid] = None
         assert seq.num_cached_tokens == k * self.block_size
         self.live.append(seq)
 
     @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(1, 3), min_size=0, max_size=6),
-          take_all=st.booleans(), data=st.data())
-    def admit(self, prefix, suffix, take_all, data):
+          salt=st.sampled_from(SALTS), take_all=st.booleans(), data=st.data())
+    def admit(self, prefix, suffix, salt, take_all, data):
         tokens = prefix + suffix or [1]
-        self._admit(Sequence(tokens, block_size=self.block_size), take_all, data)
+        self._admit(Sequence(tokens, block_size=self.block_size, cache_salt=salt), take_all, data)
 
     @precondition(lambda self: self.preempted)
     @rule(i=st.integers(0, 100), data=st.data())

@@ -447,7 +447,7 @@ def test_a_forced_hash_collision_never_changes_the_tokens(monkeypatch):
     got, llm = run()
     assert got == expected
     assert llm.get_metrics().prefix_cache_hits == 0
-    wrong, llm = run(confirm=lambda block, token_ids, parent: block.token_ids == token_ids)
+    wrong, llm = run(confirm=lambda block, token_ids, parent, salt=None: block.token_ids == token_ids)
     assert llm.get_metrics().prefix_cache_hits > 0 and wrong != expected
 
 

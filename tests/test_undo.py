@@ -69,9 +69,10 @@ def test_every_primitive_undone_gives_back_the_value_before(ops):
 def full_state(bm: BlockManager, seqs) -> tuple:
     stats = bm.prefix_cache_stats
     return (
-        tuple((b.block_id, b.ref_count, b.hash, tuple(b.token_ids), b.prefix_id, b.parent_prefix_id) for b in bm.blocks),
+        tuple((b.block_id, b.ref_count, b.hash, tuple(b.token_ids), b.prefix_id, b.parent_prefix_id, b.cache_salt)
+              for b in bm.blocks),
         tuple(bm.free_block_ids), frozenset(bm.used_block_ids), tuple(sorted(bm.hash_to_block_id.items())),
-        tuple(sorted(bm._prefix_ids.items())), bm._next_prefix_id, tuple(sorted(bm._holders)),
+        tuple(sorted(bm._prefix_ids.items(), key=repr)), bm._next_prefix_id, tuple(sorted(bm._holders)),
         (stats.requests, stats.queries, stats.hits, stats.preempted_requests, tuple(stats.recent)),
         tuple((s.seq_id, tuple(s.block_table), tuple(s.block_hashes), s.num_cached_tokens) for s in seqs),
     )

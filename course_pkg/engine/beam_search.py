@@ -61,16 +61,17 @@ class BeamStep:
 
 
 def beam_search_one(engine, prompt_token_ids: list[int], params: BeamSearchParams,
-                    on_step=None) -> BeamSearchOutput:
+                    on_step=None, cache_salt: str | None = None) -> BeamSearchOutput:
     """Run beam search for one prompt on ``engine``'s model, block manager and KV cache.
 
+    ``cache_salt`` (chapter 12) keys the prompt's blocks; every beam, a fork, inherits it.
     ``on_step(BeamStep, beams)`` is called after each step with the live beams (for the
     chapter's drawings). Every block is released before returning, also on an exception.
     """
     bm, runner = engine.block_manager, engine.model_runner
     eos = frozenset() if params.ignore_eos else engine.scheduler.eos_token_ids
     sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
-    root = Sequence(prompt_token_ids, sampling, block_size=engine.block_size)
+    root = Sequence(prompt_token_ids, sampling, block_size=engine.block_size, cache_salt=cache_salt)
     with bm.transaction():
         bm.allocate(root, bm.can_allocate(root))
     root.num_scheduled_tokens = root.num_tokens - root.num_cached_tokens

@@ -22,8 +22,8 @@ from course_pkg.validation import check_bool, is_int
 
 
 def _as_prompt_list(prompts) -> list:
-    """One prompt (text, or a list of token ids) or a list of prompts -> a list of prompts."""
-    if isinstance(prompts, str):
+    """One prompt (text, a list of token ids, a prompt dict) or a list of prompts -> a list of prompts."""
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, (bytes, bytearray)):
         raise TypeError("prompts must be a string, a list of token ids, or a list of those; got bytes "
@@ -77,9 +77,9 @@ class LLM(LLMEngine):
             seqs = []
             for i, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
                 try:
-                    if not isinstance(prompt, (str, list, tuple)):
-                        raise TypeError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__} "
-                                        f"{prompt!r}")
+                    if not isinstance(prompt, (str, list, tuple, dict)):
+                        raise TypeError(f"a prompt is a str, a list of token ids or a prompt dict, got "
+                                        f"{type(prompt).__name__} {prompt!r}")
                     seqs.append(self.make_sequence(prompt, sp))
                 except (ValueError, TypeError) as e:
                     raise type(e)(f"prompt {i}: {e}") from None
@@ -140,7 +140,7 @@ class LLM(LLMEngine):
             if params.beam_width > self.config.vocab_size:
                 raise ValueError(f"beam_width={params.beam_width} is more than the vocabulary's "
                                  f"{self.config.vocab_size} tokens: a step could not fill the beams")
-            token_ids = []
+            roots = []
             for i, prompt in enumerate(prompts):
                 try:
                     seq = self.make_sequence(prompt, as_n)   # a request of beam_width completions
@@ -150,5 +150,5 @@ class LLM(LLMEngine):
                                          f"{params.max_tokens} exceed max_model_len={self.max_model_len}")
                 except (ValueError, TypeError) as e:
                     raise type(e)(f"prompt {i}: {e}") from None
-                token_ids.append(seq.token_ids)
-            return [beam_search_one(self, ids, params, on_step) for ids in token_ids]
+                roots.append((seq.token_ids, seq.cache_salt))
+            return [beam_search_one(self, ids, params, on_step, cache_salt=salt) for ids, salt in roots]

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from course_pkg.engine.config import EngineConfig
+from course_pkg.engine.inputs import PromptType, parse_prompt
 from course_pkg.engine.model_runner import ModelRunner
 from course_pkg.engine.outputs import (CompletionOutput, EngineMetrics, ModelRunnerOutput, RequestMetrics,
                                        RequestOutput, StepInfo)
@@ -142,11 +143,13 @@ class LLMEngine:
     def block_manager(self):
         return self.scheduler.block_manager
 
-    def make_sequence(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Sequence:
-        """A Sequence for ``prompt`` (text or token ids), its tokens checked; queues nothing.
+    def make_sequence(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Sequence:
+        """A Sequence for ``prompt`` (text, token ids, or vLLM's ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": ...}`` with an optional ``"cache_salt"``), checked; queues nothing.
 
         Raises ``ValueError`` naming the problem: an empty prompt, a token id outside the
-        vocabulary (also for text, whose tokenizer may know more tokens than the model).
+        vocabulary (also for text, whose tokenizer may know more tokens than the model), a bad
+        prompt dict or salt.
         ``Scheduler.add`` checks the rest (a prompt of ``max_model_len`` tokens or more, a
         request that can never fit in the KV cache); ``SamplingParams`` check their own fields.
         """
@@ -154,6 +157,7 @@ class LLMEngine:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        prompt, cache_salt = parse_prompt(prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer: pass prompts as token ids")
@@ -167,11 +171,12 @@ class LLMEngine:
                 raise ValueError("prompt is empty: a request needs at least one token")
             check_token_ids("prompt", token_ids, self.config.vocab_size)
         else:
-            raise TypeError(f"a prompt is a str or a list of token ids (ints), got {type(prompt).__name__}"
+            raise TypeError(f"a prompt is a str, a list of token ids (ints) or a prompt dict, got "
+                            f"{type(prompt).__name__}"
                             + (": decode bytes to a str first" if isinstance(prompt, (bytes, bytearray)) else ""))
-        return Sequence(token_ids, sampling_params, block_size=self.block_size)
+        return Sequence(token_ids, sampling_params, block_size=self.block_size, cache_salt=cache_salt)
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> int:
+    def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> int:
         """Queue one request; returns its id. Raises (and queues nothing) if it is invalid."""
         with self._exclusive():
             return self._add_all([self.make_sequence(prompt, sampling_params)], [prompt])[0]
@@ -181,7 +186,8 @@ class LLMEngine:
         self.scheduler.add_all(seqs)   # checks every one first; queues all or none
         now = time.perf_counter()
         for seq, prompt in zip(seqs, prompts):
-            self._requests[seq.seq_id] = _Request(seq, prompt if isinstance(prompt, str) else None,
+            text = parse_prompt(prompt)[0]
+            self._requests[seq.seq_id] = _Request(seq, text if isinstance(text, str) else None,
                                                   RequestMetrics(arrival_time=now, arrival_step=self.num_steps))
         self.prometheus.update(self.get_metrics())
         return [seq.seq_id for seq in seqs]

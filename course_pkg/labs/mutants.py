@@ -347,7 +347,8 @@ class RegisterAtAllocationBlockManager(BlockManager):
 class NoTokenCheckBlockManager(BlockManager):
     """Trusts the hash alone: a collision hands out a block holding other tokens."""
 
-    def _confirms_hit(self, block: Block, token_ids: list[int], parent_prefix_id: int) -> bool:
+    def _confirms_hit(self, block: Block, token_ids: list[int], parent_prefix_id: int,
+                      cache_salt: str | None = None) -> bool:
         return True
 
 
