@@ -597,7 +597,7 @@ class Scheduler:
                     self._set_status(s, status)
                     finished.append(s)
         log.add(self.stats, "generation_tokens", num_generated)
-        # Speculation: the slots of rejected (or never proposed) drafts past the last token go back.
+        # Speculation: blocks past the last verified token (rejected drafts, unused slots) go back.
         for seq, lookahead in zip(out.seqs, out.num_lookahead_tokens):
             if lookahead:
                 bm.free_lookahead_slots(seq)
@@ -619,7 +619,7 @@ class Scheduler:
         The rollback is a count: the step wrote K/V for the last token and every draft, but only
         those of the last token and the *accepted* drafts are kept -- ``num_cached_tokens`` grows
         by the tokens appended, and the rejected drafts' slots are overwritten by the next step
-        (``free_lookahead_slots`` gives back the blocks they alone occupied). A token that
+        (``free_lookahead_slots`` gives back the blocks that hold no verified token). A token that
         finishes the request ends it there; what verification accepted after it is dropped.
         """
         log = self.undo_log
