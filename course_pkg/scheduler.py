@@ -688,7 +688,8 @@ class Scheduler:
                 raise ValueError(f"sequence {seq.seq_id} samples {expected} token(s) in this step: expected a list "
                                  f"of {expected} token ids, got {tokens!r}")
             if logprobs is not None and (not isinstance(logprobs[i], (list, tuple)) or len(logprobs[i]) != len(tokens)):
-                raise ValueError(f"sequence {seq.seq_id}: expected {len(tokens)} log-probabilities, got {logprobs[i]!r}")
+                raise ValueError(f"sequence {seq.seq_id}: expected {len(tokens)} log-probabilities, "
+                                 f"got {logprobs[i]!r}")
             for t in tokens:
                 if type(t) is not int or t < 0:   # (not a bool, not a float)
                     raise ValueError(f"sequence {seq.seq_id}: sampled token {t!r} is not a token id "

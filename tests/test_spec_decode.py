@@ -8,7 +8,8 @@
   computed the accepted tokens: the same tables (nothing kept past the last token), ref counts,
   registered hashes and free-block count, up to the renaming of block ids.
 * Sampling: rejection sampling's outputs follow the target's distribution (a chi-square test
-  on a small vocabulary, seeded), and the same test rejects a broken rule.
+  on a small vocabulary, seeded), and the same test rejects a broken rule; in the engine, on a
+  random model of 8 tokens, sampled outputs follow the probabilities Hugging Face computes.
 * Faults injected in the draft, in the verification and in the rollback undo the step, and the
   run continues with exactly the tokens of a run without faults.
 """
@@ -157,7 +158,8 @@ def test_a_request_stops_inside_the_accepted_drafts():
     accepted: the tokens after it are dropped, as without speculation."""
     prompts = text_prompts()
     base = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=64)
-    spec = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=64, speculative_config=dict(NGRAM, num_speculative_tokens=5))
+    spec = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=64,
+               speculative_config=dict(NGRAM, num_speculative_tokens=5))
     for max_tokens in (1, 2, 3, 7):
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)   # (the tiny model's EOS may come)
         want = [(o.token_ids, o.finish_reason) for o in base.generate(prompts, sp, use_tqdm=False)]
@@ -223,7 +225,8 @@ def test_after_every_step_the_blocks_are_those_of_a_non_speculative_engine(metho
         info = llm.last_step
         finished = {s.seq_id for s in live if s.is_finished}
         still = [s for s in live if not s.is_finished]
-        assert all(len(s.block_table) == -(-s.num_cached_tokens // 4) for s in still), "a table kept its rolled-back tail"
+        assert all(len(s.block_table) == -(-s.num_cached_tokens // 4) for s in still), \
+            "a table kept its rolled-back tail"
         assert canonical(bm, still) == non_speculative(ref_bm, ref_seqs, live, finished), f"step {info.step}"
         assert set(bm.free_block_ids) == set(range(bm.num_blocks)) - bm.used_block_ids
         assert sum(b.ref_count for b in bm.blocks) == sum(len(s.block_table) for s in still)
@@ -269,7 +272,8 @@ def test_a_draft_that_cannot_get_a_block_is_not_proposed():
     sp = SamplingParams(max_tokens=12, **GREEDY)
     base = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=18)
     want = [o.token_ids for o in base.generate(prompts, sp, use_tqdm=False)]
-    llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=18, speculative_config=dict(NGRAM, num_speculative_tokens=8))
+    llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=18,
+              speculative_config=dict(NGRAM, num_speculative_tokens=8))
     granted = []
     real = llm.block_manager.allocate_lookahead_slots
     llm.block_manager.allocate_lookahead_slots = lambda s, n: granted.append((n, real(s, n))) or granted[-1][1]
@@ -363,10 +367,9 @@ def test_rejection_sampling_with_a_point_mass_draft_accepts_with_the_targets_pro
     assert abs(rejected.count(2) / len(rejected) - 0.6) < 0.04 and all(len(o) == 1 for o in outs if o[0] != 0)
 
 
-def test_sampled_speculation_is_seeded_and_follows_the_target():
-    """Seeded requests give the same tokens twice; the early-exit draft's q is used (tokens from
-    both proposers are plausible continuations: the first sampled token, before any draft,
-    equals the non-speculative engine's, which uses the same generator for it)."""
+def test_sampled_speculation_is_reproducible_and_leaves_the_prefill_token_alone():
+    """Seeded requests give the same tokens in two runs; the first token, sampled by the prefill
+    before any draft, is the non-speculative engine's (the same generator draws it)."""
     prompts = text_prompts()
     sp = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, ignore_eos=True, seed=7)
     plain = [o.token_ids for o in LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=128).generate(
@@ -378,6 +381,37 @@ def test_sampled_speculation_is_seeded_and_follows_the_target():
         assert runs[0] == runs[1]
         assert [r[0] for r in runs[0]] == [r[0] for r in plain]
         assert all(len(r) == 12 for r in runs[0])
+
+
+def test_sampled_speculation_in_the_engine_follows_the_models_distribution(tmp_path_factory):
+    """3,000 requests of one prompt on a random model of 8 tokens: the first two tokens (the second
+    one drafted and verified by rejection sampling) against the joint probabilities Hugging Face
+    computes, by a chi-square test, for both proposers (the n-gram's certain drafts and the
+    early-exit draft's distribution q)."""
+    from transformers import AutoModelForCausalLM
+    path = build_random_checkpoint(tmp_path_factory.mktemp("spec8") / "v8", seed=2, vocab_size=8, hidden_size=32,
+                                   intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+                                   initializer_range=0.1)
+    prompt = [1, 2, 3, 4, 1, 2, 3]
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1], -1)
+        p2 = torch.stack([torch.softmax(hf(torch.tensor([prompt + [a]])).logits[0, -1], -1) for a in range(8)])
+    probs = (p1[:, None] * p2).flatten()
+    rare = probs * 3000 < 5                     # pooled into one cell, as a chi-square test needs
+    pooled = torch.cat([probs[~rare], probs[rare].sum(0, keepdim=True)])
+    for spec in (dict(NGRAM, num_speculative_tokens=2, prompt_lookup_max=2), dict(DRAFT, num_draft_layers=1,
+                                                                                  num_speculative_tokens=2)):
+        llm = LLM(path, **CPU, block_size=4, num_kvcache_blocks=9000, max_num_seqs=512, seed=1,
+                  speculative_config=spec)
+        outs = llm.generate([prompt] * 3000, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
+                            use_tqdm=False)
+        counts = torch.zeros(64)
+        for o in outs:
+            counts[o.token_ids[0] * 8 + o.token_ids[1]] += 1
+        assert llm.get_metrics().spec_decode_num_drafts > 1000
+        assert chi_square_p_value(torch.cat([counts[~rare], counts[rare].sum(0, keepdim=True)]), pooled) > 1e-3
 
 
 # ---------------------------------------------------------------- metrics
@@ -456,20 +490,25 @@ FAULT_CONFIGS = {
     "draft-swap-mixed": (DRAFT, dict(block_size=4, num_kvcache_blocks=18, preemption_mode="swap", num_cpu_blocks=24,
                                      scheduling="mixed", max_num_batched_tokens=16, same_step_prefix_hits=True)),
 }
-FAULT_PARAMS = [SamplingParams(max_tokens=10, **GREEDY), SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True, seed=3),
-                SamplingParams(max_tokens=11, **GREEDY), SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=4)]
+FAULT_PARAMS = [SamplingParams(max_tokens=10, **GREEDY),
+                SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True, seed=3),
+                SamplingParams(max_tokens=11, **GREEDY),
+                SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=4)]
 # The draft, the verification, the rollback and the metrics: (what holds it, its name).
-FAULT_POINTS = [("scheduler", n) for n in ("_schedule_lookahead", "_record_speculative", "_count_draft", "_check_drafts")] + \
+FAULT_POINTS = [("scheduler", n) for n in ("_schedule_lookahead", "_record_speculative", "_count_draft",
+                                           "_check_drafts")] + \
                [("block_manager", n) for n in ("allocate_lookahead_slots", "free_lookahead_slots", "_release_to_head",
                                                "_allocate_block")] + \
-               [("model_runner", n) for n in ("execute_speculative", "propose", "_propose_early_exit", "_forward")] + \
+               [("model_runner", n) for n in ("execute_speculative", "propose", "_propose_early_exit",
+                                              "_forward")] + \
                [("sampler", n) for n in ("probs", "generator_for")] + \
                [("proposer", "propose"), ("spec_decode", "greedy_accept"), ("spec_decode", "rejection_sample")]
 
 
 def fault_holder(llm, where):
     return {"scheduler": llm.scheduler, "block_manager": llm.block_manager, "model_runner": llm.model_runner,
-            "sampler": llm.model_runner.sampler, "proposer": llm.model_runner.proposer, "spec_decode": spec_decode}[where]
+            "sampler": llm.model_runner.sampler, "proposer": llm.model_runner.proposer,
+            "spec_decode": spec_decode}[where]
 
 
 def spec_snapshot(llm):

@@ -150,7 +150,9 @@ class EngineMetrics:
     @property
     def spec_decode_mean_acceptance_length(self) -> float:
         """1 + accepted drafts per proposal: the tokens one speculating step yields on average."""
-        return 1 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts if self.spec_decode_num_drafts else 0.0
+        if not self.spec_decode_num_drafts:
+            return 0.0
+        return 1 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts
 
     def as_dict(self) -> dict:
         return asdict(self)
