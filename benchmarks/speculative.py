@@ -12,10 +12,11 @@ continuation repeats the prompt) and *novel* (random token ids). Two batch shape
 a time (latency) and all requests at once (throughput).
 
 Printed per run: the drafts proposed, the acceptance rate, the mean acceptance length
-(1 + accepted / drafts, vLLM's), engine steps, tokens/s (best of ``--repeats``) and the ratio to
-no speculation in the same shape. Every run's greedy tokens are checked equal to the
-non-speculative run's; a difference aborts. Timings on a machine shared with other work vary:
-the ratios, measured minutes apart in one process, are what to read.
+(1 + accepted / drafts, vLLM's), engine steps (and without speculation), tokens/s (best of
+``--repeats``; and without speculation) and their ratio. Each speculative run alternates with a
+run without speculation on a fresh engine, so the ratio is measured under the same load on a
+machine shared with other work. Every run's greedy tokens are checked equal to the
+non-speculative run's; a difference aborts.
 """
 from __future__ import annotations
 
@@ -49,21 +50,28 @@ def workloads(num_requests: int, seed: int):
     return {"repetitive": repetitive, "novel": novel}
 
 
-def run(spec, prompts, params, batched: bool, repeats: int):
-    """(tokens per prompt, best seconds, metrics, steps) of one engine configuration."""
+def timed(spec, prompts, params, batched: bool):
+    """(tokens per prompt, seconds, metrics, steps) of one run on a fresh engine (an empty cache)."""
     llm = LLM(block_size=16, num_kvcache_blocks=512, device="cpu", speculative_config=spec)
-    llm.generate(prompts[:1], params, use_tqdm=False)    # warm-up
-    best, tokens = float("inf"), None
+    t0 = time.perf_counter()
+    if batched:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    else:
+        outs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
+    return [o.token_ids for o in outs], time.perf_counter() - t0, llm.get_metrics(), llm.num_steps
+
+
+def side_by_side(spec, prompts, params, batched: bool, repeats: int):
+    """The speculative run and the run without speculation, alternating, best of ``repeats``
+    each: their ratio is measured under the same load. Also checks the tokens are equal."""
+    best, best_ref, result = float("inf"), float("inf"), None
     for _ in range(repeats):
-        llm = LLM(block_size=16, num_kvcache_blocks=512, device="cpu", speculative_config=spec)
-        t0 = time.perf_counter()
-        if batched:
-            outs = llm.generate(prompts, params, use_tqdm=False)
-        else:
-            outs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
-        best = min(best, time.perf_counter() - t0)
-        tokens = [o.token_ids for o in outs]
-    return tokens, best, llm.get_metrics(), llm.num_steps
+        ref_tokens, ref_s, _, ref_steps = timed(None, prompts, params, batched)
+        result = timed(spec, prompts, params, batched)
+        best_ref, best = min(best_ref, ref_s), min(best, result[1])
+        if result[0] != ref_tokens:
+            raise SystemExit(f"{spec}: greedy tokens differ from the run without speculation")
+    return result[0], best, result[2], result[3], best_ref, ref_steps
 
 
 def main() -> None:
@@ -80,23 +88,22 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     print(f"tiny model (4 layers), {args.num_requests} requests x {args.max_tokens} greedy tokens, "
           f"best of {args.repeats}; torch threads 1")
+    timed(None, workloads(1, args.seed)["repetitive"], params, False)     # warm-up
     for kind, prompts in workloads(args.num_requests, args.seed).items():
         for batched in (False, True):
             shape = "all at once" if batched else "one at a time"
-            ref_tokens, ref_s, _, ref_steps = run(None, prompts, params, batched, args.repeats)
-            n = sum(map(len, ref_tokens))
-            print(f"\n{kind} prompts, {shape}: no speculation {n / ref_s:7.0f} tokens/s, {ref_steps} steps")
+            print(f"\n{kind} prompts, {shape}")
             print(f"  {'method':12s} {'k':>2s} {'drafts':>6s} {'accept':>6s} {'mean len':>8s} {'steps':>5s} "
-                  f"{'tokens/s':>8s} {'x none':>6s}")
+                  f"{'(none)':>6s} {'tokens/s':>8s} {'(none)':>8s} {'x none':>6s}")
             for name, base in METHODS.items():
                 for k in KS:
-                    tokens, s, m, steps = run(dict(base, num_speculative_tokens=k), prompts, params, batched,
-                                              args.repeats)
-                    if tokens != ref_tokens:
-                        raise SystemExit(f"{name} k={k}: greedy tokens differ from the run without speculation")
+                    tokens, s, m, steps, ref_s, ref_steps = side_by_side(
+                        dict(base, num_speculative_tokens=k), prompts, params, batched, args.repeats)
+                    n = sum(map(len, tokens))
                     rate = m.spec_decode_num_accepted_tokens / max(1, m.spec_decode_num_draft_tokens)
                     print(f"  {name:12s} {k:2d} {m.spec_decode_num_drafts:6d} {rate:6.2f} "
-                          f"{m.spec_decode_mean_acceptance_length:8.2f} {steps:5d} {n / s:8.0f} {ref_s / s:6.2f}")
+                          f"{m.spec_decode_mean_acceptance_length:8.2f} {steps:5d} {ref_steps:6d} {n / s:8.0f} "
+                          f"{n / ref_s:8.0f} {ref_s / s:6.2f}")
     print("\nevery speculative run gave the same greedy tokens as the run without speculation")
 
 
