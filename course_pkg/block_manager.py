@@ -572,10 +572,12 @@ class BlockManager:
         Such a block holds no verified K/V -- only drafts that were rejected, slots no draft
         used, or the slot of the newest token, which is computed next step -- so the table is
         left exactly as a step without speculation leaves it. The blocks go back to the *head*
-        of the free queue, where ``allocate_lookahead_slots`` took them from: the queue is as if
-        they had never been taken (the next step's ``may_append`` takes the first one again).
-        They were never registered. A block that keeps an accepted token stays; its rejected
-        slots are simply overwritten by the next step (``num_cached_tokens`` does not count them).
+        of the free queue, where ``allocate_lookahead_slots`` took them from, so the queue's order
+        is as before (the next step's ``may_append`` takes the first one again) -- but a cached
+        prefix such a block held while free lost its index entry when it was taken, as with any
+        allocation: speculation evicts from the head of the LRU. They were never registered. A
+        block that keeps an accepted token stays; its rejected slots are simply overwritten by
+        the next step (``num_cached_tokens`` does not count them).
         """
         self._check_holder(seq)
         keep = -(-seq.num_cached_tokens // self.block_size)

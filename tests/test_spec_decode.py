@@ -5,8 +5,10 @@
   recompute and by swap, both admission policies, block sizes 1 and 4 -- on the shipped tiny
   model and on a random one.
 * The block state after every step equals the state of a non-speculative block manager that
-  computed the accepted tokens: the same tables (nothing kept past the last token), ref counts,
-  registered hashes and free-block count, up to the renaming of block ids.
+  computed the accepted tokens: the same tables (nothing kept past the last verified token), ref
+  counts, registered hashes and free-block count, up to the renaming of block ids (in a pool
+  large enough that lookahead takes never-used blocks: taking a freed block that still caches a
+  prefix drops its entry, as any allocation does).
 * Sampling: rejection sampling's outputs follow the target's distribution (a chi-square test
   on a small vocabulary, seeded), and the same test rejects a broken rule; in the engine, on a
   random model of 8 tokens, sampled outputs follow the probabilities Hugging Face computes.
