@@ -9,7 +9,7 @@ export PYTHONHASHSEED := 0
 
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: help test test-fast lab notebooks figures bench lock clean slides chromium
+.PHONY: help test test-fast lab notebooks figures bench lock clean slides chromium serve
 
 help:
 	@echo "make test       bootstrap .venv, run unit/property tests and every notebook (nbval, strict)"
@@ -18,6 +18,7 @@ help:
 	@echo "make figures    regenerate figures/ from the package"
 	@echo "make bench      run the CPU benchmarks in benchmarks/"
 	@echo "make slides     export every chapter as reveal.js slides into build/slides/"
+	@echo "make serve      the OpenAI-compatible server on 127.0.0.1:8000 (dashboard at /dashboard)"
 
 # Pinned installs: requirements-lock.txt constrains every package, torch included (the
 # CPU wheel on a CPU machine). The stamp makes a second run install nothing.
@@ -47,6 +48,11 @@ figures: $(STAMP)
 # (apt-get, as root) and otherwise only reports. It never downloads a browser of its own.
 chromium:
 	@sh tools/ensure_chromium.sh
+
+# Chapter 13: the tiny model behind an OpenAI-compatible API (PORT=8000, MODEL= a checkpoint folder).
+PORT ?= 8000
+serve: $(STAMP)
+	$(BIN)/python -m course_pkg.serve --port $(PORT) $(if $(MODEL),--model $(MODEL),)
 
 slides: $(STAMP)
 	$(BIN)/python tools/build_slides.py --out build/slides

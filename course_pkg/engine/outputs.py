@@ -73,14 +73,18 @@ class CompletionOutput:
     """One completion of a request (vLLM's ``CompletionOutput``): completion ``index`` of ``n``.
 
     ``cumulative_logprob`` is the sum of the model's log-probabilities (``log_softmax`` of the
-    raw logits) of the completion's tokens.
+    raw logits) of the completion's tokens. ``AsyncLLM`` (chapter 13) also fills ``logprobs``
+    (each token's), ``stop_reason`` (the stop string that ended it) and, while the request
+    runs, leaves ``finish_reason`` None.
     """
 
     index: int
     text: str | None
     token_ids: list[int]
     cumulative_logprob: float
-    finish_reason: str
+    finish_reason: str | None
+    logprobs: list[float] | None = None
+    stop_reason: str | None = None
 
 
 @dataclass
@@ -93,15 +97,17 @@ class RequestOutput:
     request was first admitted (not ``Sequence.num_cached_tokens``, which counts every token
     computed so far). A ``finish_reason`` is ``"stop"`` (end-of-sequence token), ``"length"``
     (``max_tokens`` or ``max_model_len`` reached) or ``"abort"`` (``abort_request``), as the
-    Scheduler decided it.
+    Scheduler decided it. ``AsyncLLM`` (chapter 13) hands out outputs while a request runs:
+    ``finished`` is False until the last one, and ``request_id`` is the caller's string.
     """
 
-    request_id: int
+    request_id: int | str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int
     metrics: RequestMetrics
+    finished: bool = True
 
     @property
     def text(self) -> str | None:

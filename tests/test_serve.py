@@ -1,0 +1,576 @@
+"""Chapter 13: AsyncLLM and the OpenAI-compatible server, driven by the real ``openai`` client.
+
+The reference is the offline engine: ``LLM.generate`` on the same prompts and sampling params,
+in another engine with the same configuration. The server runs in a thread of this process on
+a free port (``ServerThread``); one test starts ``python -m course_pkg.serve`` as a process.
+Token ids are compared exactly through vLLM's ``return_tokens_as_token_ids`` (the logprobs then
+name each token ``token_id:<id>``).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from course_pkg.engine import LLM
+from course_pkg.engine.async_llm import AsyncLLM, EngineDeadError, EngineGenerateError, RequestOutputKind
+from course_pkg.models import default_model_path
+from course_pkg.sampling_params import SamplingParams
+from course_pkg.serve import ServerThread, build_app
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = dict(device="cpu", num_kvcache_blocks=256, block_size=16)
+NAME = "course-tiny"
+PROMPTS = ["The block manager", "A prefix cache hit", "Paged attention reads", "The scheduler admits",
+           "Copy on write", "The free queue"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def offline(one_torch_thread):
+    return LLM(**CONFIG)
+
+
+@pytest.fixture(scope="module")
+def served(one_torch_thread):
+    llm = AsyncLLM(**CONFIG)
+    server = ServerThread(build_app(llm)).start()
+    yield llm, server
+    server.stop()
+    llm.shutdown()
+
+
+@pytest.fixture
+def client(served):
+    return openai.OpenAI(base_url=served[1].url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def reference(offline, prompts, params):
+    return offline.generate(prompts, params, use_tqdm=False)
+
+
+def token_ids(logprobs) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in logprobs.tokens]
+
+
+def wait_idle(llm: AsyncLLM, timeout: float = 20.0) -> tuple[int, int]:
+    """Wait until the engine holds no request; returns (free blocks, all blocks)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        free, total, busy = llm.call_in_engine_thread(
+            lambda e, live: (len(e.block_manager.free_block_ids), e.block_manager.num_blocks,
+                             e.has_unfinished_requests()))
+        if not busy or time.monotonic() > deadline:
+            return free, total
+        time.sleep(0.02)
+
+
+def metric(server, name: str) -> float:
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def api_kwargs(params: SamplingParams) -> dict:
+    kw = dict(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, n=params.n)
+    if params.seed is not None:
+        kw["seed"] = params.seed
+    return kw
+
+
+# ------------------------------------------------------------------ completions vs LLM.generate
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_completions_equal_offline_generate_token_for_token(client, offline, params):
+    want = reference(offline, PROMPTS, params)
+    for prompt, ref in zip(PROMPTS, want):
+        got = client.completions.create(model=NAME, prompt=prompt, logprobs=0, extra_body={
+            "return_tokens_as_token_ids": True}, **api_kwargs(params))
+        choice = got.choices[0]
+        assert token_ids(choice.logprobs) == ref.token_ids
+        assert choice.text == ref.text
+        assert choice.finish_reason == ref.finish_reason
+        assert sum(choice.logprobs.token_logprobs) == pytest.approx(ref.outputs[0].cumulative_logprob, abs=1e-4)
+        assert got.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert got.usage.completion_tokens == len(ref.token_ids)
+
+
+def test_prompt_as_token_ids_and_cached_tokens(client, offline):
+    ids = offline.tokenizer.encode("The block manager keeps four structures and two guards for "
+                                   "every block it owns", add_special_tokens=False)
+    assert len(ids) > 16   # one full block at least: the second request finds it in the cache
+    ref = reference(offline, [ids], GREEDY)[0]
+    first = client.completions.create(model=NAME, prompt=ids, **api_kwargs(GREEDY))
+    again = client.completions.create(model=NAME, prompt=ids, **api_kwargs(GREEDY))
+    assert first.choices[0].text == again.choices[0].text == ref.text
+    assert again.usage.prompt_tokens_details.cached_tokens == (len(ids) - 1) // 16 * 16
+
+
+def test_cache_salt_shares_cached_blocks_only_within_one_salt(client, offline):
+    ids = list(range(200, 240))   # 40 tokens: two full blocks a later request could hit
+    ref = reference(offline, [ids], GREEDY)[0]
+
+    def cached(salt=None):
+        got = client.completions.create(model=NAME, prompt=ids, extra_body={} if salt is None else {"cache_salt": salt},
+                                        **api_kwargs(GREEDY))
+        assert got.choices[0].text == ref.text   # a salt changes what is shared, never the tokens
+        return got.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("alice") == 0
+    assert cached("bob") == 0          # same tokens, another salt: no hit
+    assert cached() == 0               # no salt is a salt of its own
+    assert cached("alice") == 32       # the same salt shares both full blocks
+    assert cached() == 32
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        cached("")
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_streamed_chunks_concatenate_to_the_offline_completion(client, offline, params):
+    ref = reference(offline, PROMPTS[:3], params)
+    for prompt, want in zip(PROMPTS[:3], ref):
+        stream = client.completions.create(model=NAME, prompt=prompt, stream=True, logprobs=0,
+                                           stream_options={"include_usage": True},
+                                           extra_body={"return_tokens_as_token_ids": True}, **api_kwargs(params))
+        chunks = list(stream)
+        text_chunks = [c for c in chunks if c.choices]
+        assert len(text_chunks) >= 2, "a stream of one chunk streams nothing"
+        assert "".join(c.choices[0].text for c in text_chunks) == want.text
+        assert [t for c in text_chunks for t in token_ids(c.choices[0].logprobs)] == want.token_ids
+        reasons = [c.choices[0].finish_reason for c in text_chunks]
+        assert reasons == [None] * (len(text_chunks) - 1) + [want.finish_reason]
+        assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+
+
+def test_n_2_gives_the_two_offline_completions(client, offline):
+    params = SamplingParams(temperature=1.5, seed=5, n=2, max_tokens=8)
+    want = reference(offline, [PROMPTS[0]], params)[0]
+    got = client.completions.create(model=NAME, prompt=PROMPTS[0], **api_kwargs(params))
+    assert [c.index for c in got.choices] == [0, 1]
+    assert [c.text for c in got.choices] == [o.text for o in want.outputs]
+    assert want.outputs[0].text != want.outputs[1].text   # the test can tell the two apart
+    stream = client.completions.create(model=NAME, prompt=PROMPTS[0], stream=True, **api_kwargs(params))
+    texts = {0: "", 1: ""}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert [texts[0], texts[1]] == [o.text for o in want.outputs]
+
+
+def test_stop_strings_cut_the_offline_text(client, offline):
+    want = reference(offline, [PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
+    stop = want.text[len(want.text) // 2:len(want.text) // 2 + 3]
+    assert stop.strip(), want.text
+    cut = want.text[:want.text.index(stop)]
+    kw = dict(model=NAME, prompt=PROMPTS[1], max_tokens=16, temperature=0.0, stop=[stop, "\u2603"],
+              extra_body={"ignore_eos": True})
+    got = client.completions.create(**kw)
+    assert (got.choices[0].text, got.choices[0].finish_reason) == (cut, "stop")
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+    assert streamed == cut
+
+
+def test_chat_renders_the_template_and_equals_offline(client, offline):
+    messages = [{"role": "system", "content": "You manage blocks."}, {"role": "user", "content": "Free one."}]
+    text = offline.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text.endswith("assistant:") and "user: Free one." in text
+    want = reference(offline, [text], SamplingParams(temperature=0.0, max_tokens=12))[0]
+    got = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0.0)
+    assert got.object == "chat.completion"
+    assert (got.choices[0].message.role, got.choices[0].message.content) == ("assistant", want.text)
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0.0,
+                                            stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+
+
+def test_models_health_and_metrics(client, served):
+    llm, server = served
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(server.url + "/health").status_code == 200
+    before = metric(server, "vllm:generation_tokens_total")
+    got = client.completions.create(model=NAME, prompt="Blocks", max_tokens=7, temperature=0.0,
+                                    extra_body={"ignore_eos": True})
+    assert got.usage.completion_tokens == 7
+    assert metric(server, "vllm:generation_tokens_total") == before + 7
+    assert metric(server, "vllm:num_requests_running") == 0
+
+
+# ------------------------------------------------------------------ errors
+
+def post(server, path: str, body) -> httpx.Response:
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"})
+
+
+def assert_openai_error(response: httpx.Response, status: int, *words: str) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert "Traceback" not in error["message"]
+    for word in words:
+        assert word in error["message"], error["message"]
+
+
+@pytest.mark.parametrize("path, body, status, words", [
+    ("/v1/completions", "{not json", 400, ["not valid JSON"]),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 1.0}, 400, ["unknown field", "presence_penalty"]),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, ["max_tokens"]),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, ["temperature"]),
+    ("/v1/completions", {"max_tokens": 3}, 400, ["prompt", "required"]),
+    ("/v1/completions", {"prompt": [5] * 2048}, 400, ["context length", "2048"]),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4000}, 400, ["context length", "4000"]),
+    ("/v1/completions", {"prompt": [1, 2, 5000]}, 400, ["5000", "vocabulary"]),
+    ("/v1/completions", {"prompt": ""}, 400, ["empty"]),
+    ("/v1/completions", {"prompt": "x", "logprobs": 3}, 400, ["logprobs"]),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, ["gpt-4"]),
+    ("/v1/chat/completions", {"messages": []}, 400, ["messages"]),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, ["role"]),
+    ("/v1/nothing-here", {}, 404, []),
+])
+def test_bad_requests_get_their_status_in_openai_shape(served, path, body, status, words):
+    llm, server = served
+    assert_openai_error(post(server, path, body), status, *words)
+    assert wait_idle(llm)[0] == CONFIG["num_kvcache_blocks"]   # nothing was queued, no block taken
+
+
+def test_the_openai_client_raises_its_typed_errors(client):
+    with pytest.raises(openai.BadRequestError, match="unknown field"):
+        client.completions.create(model=NAME, prompt="x", extra_body={"best_of": 2})
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x")
+
+
+def test_a_model_without_chat_template_refuses_chat_clearly(tmp_path, one_torch_thread):
+    folder = tmp_path / "tiny-no-template"
+    shutil.copytree(default_model_path(), folder)
+    (folder / "chat_template.jinja").unlink()
+    llm = AsyncLLM(folder, device="cpu", num_kvcache_blocks=16)
+    try:
+        with ServerThread(build_app(llm)) as server:
+            r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+            assert_openai_error(r, 400, "no chat template", "/v1/completions")
+            ok = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})   # completions still work
+            assert ok.status_code == 200
+    finally:
+        llm.shutdown()
+
+
+def test_a_full_waiting_queue_is_a_503(one_torch_thread):
+    llm = AsyncLLM(device="cpu", num_kvcache_blocks=64, max_num_seqs=1, max_waiting=2)
+    try:
+        with ServerThread(build_app(llm)) as server:
+            async def scenario():
+                async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+                    long = {"prompt": "Blocks", "max_tokens": 400, "ignore_eos": True, "stream": True}
+                    async with http.stream("POST", "/v1/completions", json=long) as running:
+                        lines = running.aiter_lines()
+                        while not (await anext(lines)).startswith("data:"):
+                            pass   # the first token: the long request runs, and holds the one seat
+                        waiters = [asyncio.ensure_future(http.post("/v1/completions", json={
+                            "prompt": f"Waiter {i}", "max_tokens": 2})) for i in range(2)]
+                        deadline = time.monotonic() + 30
+                        while metric(server, "vllm:num_requests_waiting") < 2:
+                            assert time.monotonic() < deadline, "the two waiters never queued"
+                            await asyncio.sleep(0.01)
+                        refused = await http.post("/v1/completions", json={"prompt": "One more", "max_tokens": 2})
+                        assert_openai_error(refused, 503, "waiting queue is full")
+                        assert refused.json()["error"]["code"] == "queue_full"
+                    # leaving the stream aborts the long request: the two waiters run and finish
+                    done = await asyncio.gather(*waiters)
+                    assert [r.status_code for r in done] == [200, 200]
+            asyncio.run(scenario())
+            assert wait_idle(llm)[0] == 64
+    finally:
+        llm.shutdown()
+
+
+# ------------------------------------------------------------------ aborts, faults, shutdown
+
+def test_a_client_leaving_mid_stream_aborts_its_request(served):
+    llm, server = served
+    steps = llm.engine.num_steps
+    body = {"prompt": "Blocks", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data:")
+            if seen == 3:
+                break
+    free, total = wait_idle(llm)
+    assert free == total, "the aborted request still holds blocks"
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert llm.engine.num_steps - steps < 300   # it was stopped early, not run to its end
+
+
+def test_a_client_leaving_a_whole_completion_aborts_it(served):
+    llm, server = served
+    steps = llm.engine.num_steps
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=0.5,
+                   json={"prompt": "Blocks", "max_tokens": 1500, "ignore_eos": True})
+    free, total = wait_idle(llm)
+    assert free == total
+    assert llm.engine.num_steps - steps < 1500   # aborted when the client left, not run to its end
+
+
+class FlakyRunner:
+    """Wraps ``execute_model``: raises at the listed calls, or whenever ``poison`` is in the batch."""
+
+    def __init__(self, runner, fail_at=(), poison: int | None = None):
+        self.runner, self.original = runner, runner.execute_model
+        self.fail_at, self.poison, self.calls, self.raised = set(fail_at), poison, 0, 0
+
+    def __call__(self, out, undo_log):
+        self.calls += 1
+        poisoned = self.poison is not None and any(self.poison in s.prompt_token_ids for s in out.seqs)
+        if self.calls in self.fail_at or poisoned:
+            self.raised += 1
+            if undo_log is not None:
+                undo_log.kv_written = True   # as if the forward pass had begun writing K/V
+            raise RuntimeError("injected fault in the forward pass")
+        return self.original(out, undo_log)
+
+    def __enter__(self):
+        self.runner.execute_model = self
+        return self
+
+    def __exit__(self, *exc):
+        del self.runner.execute_model
+
+
+def run_all(llm: AsyncLLM, prompts, params):
+    async def one(p):
+        try:
+            return [o async for o in llm.generate(p, params)][-1]
+        except Exception as e:
+            return e
+
+    async def main():
+        return await asyncio.gather(*[one(p) for p in prompts])
+    return asyncio.run(main())
+
+
+def test_a_transient_step_fault_is_rolled_back_and_costs_no_request(offline, one_torch_thread):
+    llm = AsyncLLM(**CONFIG)
+    try:
+        want = reference(offline, PROMPTS, SEEDED)
+        with FlakyRunner(llm.engine.model_runner, fail_at={1, 4, 9}) as flaky:
+            got = run_all(llm, PROMPTS, SEEDED)
+        assert flaky.raised == 3 and llm.num_step_faults == 3
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        assert wait_idle(llm)[0] == CONFIG["num_kvcache_blocks"]
+    finally:
+        llm.shutdown()
+
+
+def test_a_persistent_fault_fails_only_the_requests_of_its_step(offline, one_torch_thread):
+    llm = AsyncLLM(**CONFIG, max_num_seqs=2)
+    try:
+        poison_prompt = [7, 7, 7, 900]
+        prompts = PROMPTS[:4] + [poison_prompt]
+        want = reference(offline, PROMPTS[:4], GREEDY)
+        with FlakyRunner(llm.engine.model_runner, poison=900):
+            got = run_all(llm, prompts, GREEDY)
+            after = run_all(llm, PROMPTS[:2], GREEDY)   # the loop lives on
+        assert isinstance(got[-1], EngineGenerateError) and "injected fault" in str(got[-1])
+        ok = [g for g in got[:4] if not isinstance(g, Exception)]
+        assert len(ok) >= 3   # max_num_seqs=2: the poisoned step held one other request at most
+        for g, w in zip(got[:4], want):
+            if not isinstance(g, Exception):
+                assert g.token_ids == w.token_ids
+        assert [a.token_ids for a in after] == [w.token_ids for w in want[:2]]
+        assert wait_idle(llm)[0] == CONFIG["num_kvcache_blocks"]
+    finally:
+        llm.shutdown()
+
+
+def test_a_step_that_keeps_failing_is_a_500_in_openai_shape_and_the_server_lives_on(served):
+    llm, server = served
+    with FlakyRunner(llm.engine.model_runner, poison=900):
+        whole = post(server, "/v1/completions", {"prompt": [7, 7, 900], "max_tokens": 3})
+        assert_openai_error(whole, 500, "injected fault", "aborted")
+        assert whole.json()["error"]["code"] == "engine_step_failed"
+        with httpx.stream("POST", server.url + "/v1/completions",
+                          json={"prompt": [8, 900], "max_tokens": 3, "stream": True}) as r:
+            assert r.status_code == 200   # queued fine; the fault comes once the stream has begun
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "injected fault" in json.loads(events[-2])["error"]["message"]
+        fine = post(server, "/v1/completions", {"prompt": [7, 7, 8], "max_tokens": 3})
+        assert fine.status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert wait_idle(llm)[0] == CONFIG["num_kvcache_blocks"]
+
+
+def test_shutdown_aborts_requests_in_flight_with_a_clear_error(one_torch_thread):
+    llm = AsyncLLM(device="cpu", num_kvcache_blocks=80)
+
+    async def main():
+        gen = llm.generate("Blocks", SamplingParams(max_tokens=1000, ignore_eos=True),
+                           output_kind=RequestOutputKind.DELTA)
+        await anext(gen)
+        await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in gen:
+                pass
+        with pytest.raises(EngineDeadError):
+            await llm.add_request("Blocks")
+    asyncio.run(main())
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.engine.block_manager.free_block_ids) == 80
+
+
+def test_async_llm_output_kinds_and_cancellation(offline, one_torch_thread):
+    llm = AsyncLLM(**CONFIG)
+    try:
+        want = reference(offline, [PROMPTS[2]], GREEDY)[0]
+
+        async def main():
+            outs = {k: [o async for o in llm.generate(PROMPTS[2], GREEDY, output_kind=k)] for k in RequestOutputKind}
+            delta, cumulative, final = (outs[RequestOutputKind.DELTA], outs[RequestOutputKind.CUMULATIVE],
+                                        outs[RequestOutputKind.FINAL_ONLY])
+            assert len(final) == 1 and final[0].token_ids == want.token_ids and final[0].finished
+            assert [t for o in delta for t in o.token_ids] == want.token_ids
+            assert "".join(o.text for o in delta) == want.text
+            assert [o.token_ids for o in cumulative] == [want.token_ids[:k + 1] for k in range(len(want.token_ids))]
+            assert [o.finished for o in cumulative] == [False] * (len(cumulative) - 1) + [True]
+            with pytest.raises(ValueError, match="empty"):
+                await llm.add_request([])
+            steps = llm.engine.num_steps
+            task = asyncio.ensure_future(_consume(llm.generate("Blocks", SamplingParams(max_tokens=1500,
+                                                                                        ignore_eos=True))))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return steps
+        steps = asyncio.run(main())
+        assert wait_idle(llm)[0] == CONFIG["num_kvcache_blocks"]
+        assert llm.engine.num_steps - steps < 1500   # cancelled, not run to its end
+    finally:
+        llm.shutdown()
+
+
+async def _consume(gen):
+    async for _ in gen:
+        pass
+
+
+# ------------------------------------------------------------------ load
+
+def test_64_streaming_clients_a_quarter_leaving(served, offline):
+    """64 concurrent streams, 16 of them closed at a random point: every finished stream is its
+    offline result (no token lost or duplicated), /health answers during the load, and afterwards
+    every block is free and nothing runs."""
+    llm, server = served
+    rng = random.Random(13)
+    prompts = [f"Request {i} asks the block manager" for i in range(64)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = reference(offline, prompts, params)
+    leave_after = {i: rng.randint(1, 10) for i in rng.sample(range(64), 16)}
+
+    async def stream(http, i):
+        body = {"prompt": prompts[i], "max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "stream": True,
+                "logprobs": 0, "return_tokens_as_token_ids": True}
+        ids, text, chunks = [], "", 0
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                ids += [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+                text += choice["text"]
+                chunks += 1
+                if chunks == leave_after.get(i):
+                    return None   # leaves mid-stream: closing the response drops the connection
+        return ids, text
+
+    async def health(http, stop: asyncio.Event, answers: list):
+        while not stop.is_set():
+            answers.append((await http.get("/health")).status_code)
+            await asyncio.sleep(0.05)
+
+    async def main():
+        limits = httpx.Limits(max_connections=80)
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits) as http:
+            stop, answers = asyncio.Event(), []
+            pinger = asyncio.ensure_future(health(http, stop, answers))
+            results = await asyncio.gather(*[stream(http, i) for i in range(64)])
+            stop.set()
+            await pinger
+            return results, answers
+
+    results, answers = asyncio.run(main())
+    assert answers and set(answers) == {200}
+    for i, result in enumerate(results):
+        if i in leave_after:
+            assert result is None
+        else:
+            assert result == (want[i].token_ids, want[i].text), f"stream {i}"
+    free, total = wait_idle(llm)
+    assert free == total
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "vllm:num_requests_waiting") == 0
+
+
+# ------------------------------------------------------------------ the load client's arithmetic
+
+def test_load_client_percentiles_and_arrivals_against_numpy():
+    import numpy as np
+
+    from course_pkg.serve.load import percentile, poisson_arrivals, scaled_arrivals
+
+    rng = random.Random(3)
+    for n in (1, 2, 7, 100):
+        values = [rng.expovariate(1.0) for _ in range(n)]
+        for q in (0, 50, 90, 99, 100):
+            assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    times = poisson_arrivals(4000, 50.0, seed=1)
+    assert times == sorted(times) and len(times) / times[-1] == pytest.approx(50.0, rel=0.05)
+    scaled = scaled_arrivals([100, 100, 300, 1100], 4, rate=2.0)
+    assert scaled == pytest.approx([0.0, 0.0, 0.3, 1.5])   # 3 gaps at 2 per second: 1.5 s, shape kept
+
+
+# ------------------------------------------------------------------ the command line
+
+def test_python_m_course_pkg_serve_starts_and_answers():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "course_pkg.serve", "--port", str(port),
+                             "--num-kvcache-blocks", "32"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        got = client.completions.create(model=NAME, prompt="Blocks", max_tokens=3, extra_body={"ignore_eos": True})
+        assert got.usage.completion_tokens == 3
+    finally:
+        proc.terminate()
+        proc.wait(30)
