@@ -539,6 +539,74 @@ class BlockManager:
             seq.block_table.append(self._allocate_block().block_id)
         return []
 
+    # ---------------------------------------------------------------- speculative decoding (chapter 14)
+
+    def allocate_lookahead_slots(self, seq: Sequence, num_lookahead_tokens: int) -> int:
+        """Slots for up to ``num_lookahead_tokens`` draft tokens after ``seq``'s newest token
+        (positions ``num_tokens .. num_tokens + n - 1``; vLLM's ``num_lookahead_tokens``).
+
+        Call it once the newest token has its place (``may_append``). Blocks come from the free
+        queue only, as many as there are: returns the slots ``seq`` has now -- all of them, or
+        fewer when the pool ran short (a draft without a slot is not proposed). The new blocks
+        are not registered: their K/V are drafts. ``free_lookahead_slots`` gives back those left
+        empty after verification.
+        """
+        self._check_holder(seq)
+        if not is_int(num_lookahead_tokens) or num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens must be an integer >= 0, got {num_lookahead_tokens!r}")
+        if len(seq.block_table) < seq.num_blocks:
+            raise ValueError(f"sequence {seq.seq_id}: its newest token has no slot yet; call may_append first")
+        bs = self.block_size
+        needed = -(-(seq.num_tokens + num_lookahead_tokens) // bs) - len(seq.block_table)
+        needed = min(max(needed, 0), len(self.free_block_ids))
+        if needed:
+            self._save(seq)
+            for _ in range(needed):
+                seq.block_table.append(self._allocate_block().block_id)
+        return min(num_lookahead_tokens, len(seq.block_table) * bs - seq.num_tokens)
+
+    def free_lookahead_slots(self, seq: Sequence) -> list[int]:
+        """After verification, the rollback of rejected drafts: give back every block past the
+        last *computed* token of ``seq`` (``num_cached_tokens``); returns their ids.
+
+        Such a block holds no verified K/V -- only drafts that were rejected, slots no draft
+        used, or the slot of the newest token, which is computed next step -- so the table is
+        left exactly as a step without speculation leaves it. The blocks go back to the *head*
+        of the free queue, where ``allocate_lookahead_slots`` took them from, so the queue's order
+        is as before (the next step's ``may_append`` takes the first one again) -- but a cached
+        prefix such a block held while free lost its index entry when it was taken, as with any
+        allocation: speculation evicts from the head of the LRU. They were never registered. A
+        block that keeps an accepted token stays; its rejected slots are simply overwritten by
+        the next step (``num_cached_tokens`` does not count them).
+        """
+        self._check_holder(seq)
+        keep = -(-seq.num_cached_tokens // self.block_size)
+        extra = seq.block_table[keep:]
+        if not extra:
+            return []
+        self._save(seq)
+        for block_id in reversed(extra):   # the last taken goes back first: the head ends as before
+            block = self.blocks[block_id]
+            if block.ref_count != 1 or block.hash != -1:
+                raise RuntimeError(f"lookahead block {block_id} of sequence {seq.seq_id} is shared or "
+                                   f"registered (ref_count {block.ref_count}, hash {block.hash})")
+            self._save(block)
+            block.ref_count = 0
+            self._release_to_head(block)
+        del seq.block_table[keep:]
+        return extra
+
+    def _release_to_head(self, block: Block) -> None:
+        self.used_block_ids.remove(block.block_id)
+        self.free_block_ids.appendleft(block.block_id)
+        log = self.undo_log
+        if log is not None:
+            log.record(lambda: self._undo_release_to_head(block))
+
+    def _undo_release_to_head(self, block: Block) -> None:
+        self.free_block_ids.popleft()
+        self.used_block_ids.add(block.block_id)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` share every block of ``parent`` -- the partly filled last one too.
 

@@ -41,7 +41,7 @@ from course_pkg.policies import (ADMISSION_POLICIES, PREEMPTION_POLICIES, Admiss
 from course_pkg.sequence import Sequence, SequenceStatus, check_transition
 from course_pkg.swap import CpuBlockPool
 from course_pkg.undo import UndoLog
-from course_pkg.validation import check_bool, check_positive_int, check_token_ids, is_int
+from course_pkg.validation import check_bool, check_int, check_positive_int, check_token_ids, is_int
 
 SCHEDULING_POLICIES = tuple(ADMISSION_POLICIES)
 PREEMPTION_MODES = tuple(PREEMPTION_POLICIES)
@@ -69,6 +69,43 @@ class SchedulerStats:
     num_swap_fallbacks: int = 0     # swap preemptions recomputed instead: the CPU pool was full
 
 
+@dataclass
+class SpecDecodingStats:
+    """Counters since start, as vLLM v1 exports them.
+
+    A *draft* is one sequence's proposal in one step (at least one token): ``num_drafts``
+    counts them, ``num_draft_tokens`` their tokens, ``num_accepted_tokens`` the tokens that
+    verification accepted, ``num_accepted_tokens_per_pos[i]`` how often draft position ``i``
+    (0-based) was accepted -- it falls with ``i``, since a draft counts only after every earlier
+    one was accepted.
+    """
+
+    num_spec_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.num_accepted_tokens_per_pos:
+            self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        """Accepted draft tokens / draft tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a speculating step yields on average: 1 (the target's own) + accepted drafts
+        (vLLM's "mean acceptance length")."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def acceptance_rate_per_pos(self) -> list[float]:
+        return [n / self.num_drafts if self.num_drafts else 0.0 for n in self.num_accepted_tokens_per_pos]
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
     """Everything one step does, decided by ``Scheduler.schedule`` (vLLM v1's name).
@@ -82,6 +119,11 @@ class SchedulerOutput:
     in this order: swap-outs (device to CPU), copy-on-write, swap-ins (CPU to device), so
     every read of a block comes before any write into it. ``registered_blocks`` are the blocks
     registered in the prefix index when scheduled (``same_step_prefix_hits``).
+
+    Speculative decoding (chapter 14): ``num_lookahead_tokens[i]`` slots after a decoding
+    sequence's last token are allocated for drafts, and counted in its ``num_scheduled_tokens``
+    (empty when the scheduler does not speculate). The model runner proposes at most that many
+    drafts, verifies them, and returns the accepted ones plus one token of the target's.
 
     The value is frozen; the sequences in it are the live objects, whose tokens and block
     tables the model runner reads -- nothing changes them between ``schedule`` and
@@ -99,6 +141,7 @@ class SchedulerOutput:
     blocks_to_copy: tuple[tuple[int, int], ...] = ()
     blocks_to_swap_in: tuple[tuple[int, int], ...] = ()
     registered_blocks: tuple[int, ...] = ()
+    num_lookahead_tokens: tuple[int, ...] = ()
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -122,6 +165,7 @@ class StepPlan:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     registered_blocks: list[int] = field(default_factory=list)
+    lookahead: dict[int, int] = field(default_factory=dict)   # id(seq) -> its lookahead slots
 
 
 class Scheduler:
@@ -139,7 +183,7 @@ class Scheduler:
                  block_manager: BlockManager | None = None,
                  scheduling: str | AdmissionPolicy = "prefill_first",
                  preemption_mode: str | PreemptionPolicy = "recompute", num_cpu_blocks: int | None = None,
-                 same_step_prefix_hits: bool = False):
+                 same_step_prefix_hits: bool = False, num_lookahead_tokens: int = 0):
         """``block_manager``: an existing manager to schedule over (e.g. a course foil such as
         ``foils.ForwardReleaseBlockManager``), instead of a new ``BlockManager`` built from
         ``num_kvcache_blocks``, ``block_size``, ``enable_prefix_caching`` and ``free_queue``.
@@ -149,10 +193,13 @@ class Scheduler:
         ``scheduling`` and ``preemption_mode`` name a policy of ``course_pkg.policies`` (or
         are one); ``num_cpu_blocks`` sizes the CPU pool of ``preemption_mode="swap"``;
         ``same_step_prefix_hits`` registers blocks when they are scheduled (chapter 09).
+        ``num_lookahead_tokens``: slots for up to that many draft tokens per decoding sequence
+        and step (speculative decoding, chapter 14; 0: none).
         """
         self.admission = make_admission_policy(scheduling)
         self.preemption = make_preemption_policy(preemption_mode, num_cpu_blocks)
         check_bool("same_step_prefix_hits", same_step_prefix_hits)
+        check_int("num_lookahead_tokens", num_lookahead_tokens, minimum=0)
         check_positive_int("max_num_seqs", max_num_seqs)
         check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
         if max_model_len is not None:
@@ -181,6 +228,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.stats = SchedulerStats()
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.spec_decoding_stats = SpecDecodingStats(num_lookahead_tokens)
         self.same_step_prefix_hits = same_step_prefix_hits
         self.cpu_pool: CpuBlockPool | None = self.preemption.make_cpu_pool()
         self.num_steps = 0
@@ -310,6 +359,8 @@ class Scheduler:
             # Between steps every sequence has num_scheduled_tokens == 0: one entry undoes them all.
             log.record(partial(_unschedule_tokens, plan.seqs))
             self.admission.schedule(self, plan)
+            if self.num_lookahead_tokens:
+                self._schedule_lookahead(plan)
             if not plan.seqs and self.waiting:
                 n = len(self.waiting)
                 raise RuntimeError(f"nothing could be scheduled although {n} request{'s' if n > 1 else ''} "
@@ -323,7 +374,9 @@ class Scheduler:
                 num_samples=tuple(self._num_samples(s) for s in plan.seqs),
                 is_prefill=plan.num_prompt_seqs > 0, preempted=tuple(plan.preempted),
                 blocks_to_swap_out=tuple(plan.blocks_to_swap_out), blocks_to_copy=tuple(plan.blocks_to_copy),
-                blocks_to_swap_in=tuple(plan.blocks_to_swap_in), registered_blocks=tuple(plan.registered_blocks))
+                blocks_to_swap_in=tuple(plan.blocks_to_swap_in), registered_blocks=tuple(plan.registered_blocks),
+                num_lookahead_tokens=tuple(plan.lookahead.get(id(s), 0) for s in plan.seqs)
+                if self.num_lookahead_tokens else ())
         except BaseException:
             self._close(rollback=True)
             raise
@@ -393,6 +446,38 @@ class Scheduler:
                 num_decodes += 1
                 i += 1
         return num_decodes
+
+    def _schedule_lookahead(self, plan: StepPlan) -> int:
+        """Slots for the drafts of speculative decoding (chapter 14; vLLM's
+        ``num_lookahead_tokens``), once the admission policy has filled the step: up to
+        ``num_lookahead_tokens`` positions after the newest token of every sequence that
+        computes only that token and samples one (a decode), within what is left of the token
+        budget; returns the slots given.
+
+        Lookahead takes only free blocks -- it never preempts, and the step's decodes and
+        prompts had their blocks first -- and never more than the request can still use (a
+        step yields at most one token more than its drafts). A sequence that cannot get a block
+        for all of them gets fewer: a draft that has no slot is not proposed. The slots of
+        rejected drafts are given back in ``update_from_output``.
+        """
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens - sum(s.num_scheduled_tokens for s in plan.seqs)
+        decodes = [s for s in plan.seqs if s.num_scheduled_tokens == 1 and s.num_cached_tokens == s.num_tokens - 1
+                   and self._num_samples(s) == 1]
+        total = 0
+        for seq in decodes:
+            final_len = seq.num_prompt_tokens + seq.max_tokens
+            if self.max_model_len is not None:
+                final_len = min(final_len, self.max_model_len)
+            wanted = min(self.num_lookahead_tokens, final_len - seq.num_tokens - 1, budget - total)
+            if wanted <= 0:
+                continue
+            granted = bm.allocate_lookahead_slots(seq, wanted)
+            if granted:
+                plan.lookahead[id(seq)] = granted
+                seq.num_scheduled_tokens += granted   # (undone with the step's other counts)
+                total += granted
+        return total
 
     def _choose_victim(self, seq: Sequence) -> Sequence:
         """The running sequence that gives way when ``seq`` needs a block: the most recently
@@ -475,20 +560,25 @@ class Scheduler:
         try:
             token_ids, logprobs = _results(model_runner_output)
             self._check_results(out, token_ids, logprobs)
-            finished = self._record(out, token_ids, logprobs)
+            drafts = self._check_drafts(out, token_ids, getattr(model_runner_output, "draft_token_ids", None))
+            finished = self._record(out, token_ids, logprobs, drafts)
         except BaseException:
             self._close(rollback=True)
             raise
         self._close()
         return finished
 
-    def _record(self, out: SchedulerOutput, token_ids, logprobs) -> list[Sequence]:
+    def _record(self, out: SchedulerOutput, token_ids, logprobs, drafts=None) -> list[Sequence]:
         log, bm = self.undo_log, self.block_manager
         finished: list[Sequence] = []
         num_generated = 0
         for i, seq in enumerate(out.seqs):
             log.record(partial(seq.restore_progress, seq.num_cached_tokens, seq.num_scheduled_tokens,
                                seq.num_tokens, seq.cumulative_logprob))
+            if out.num_lookahead_tokens and out.num_lookahead_tokens[i]:
+                num_generated += self._record_speculative(seq, token_ids[i], logprobs and logprobs[i],
+                                                          drafts[i], finished)
+                continue
             # The step wrote the K/V of the scheduled tokens: they are cached now.
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
@@ -507,6 +597,10 @@ class Scheduler:
                     self._set_status(s, status)
                     finished.append(s)
         log.add(self.stats, "generation_tokens", num_generated)
+        # Speculation: blocks past the last verified token (rejected drafts, unused slots) go back.
+        for seq, lookahead in zip(out.seqs, out.num_lookahead_tokens):
+            if lookahead:
+                bm.free_lookahead_slots(seq)
         # Offer the blocks the step completed to other sequences -- a finishing sequence's too.
         for seq in out.seqs:
             if seq.block_table:
@@ -516,6 +610,45 @@ class Scheduler:
         self.preemption.step_done(self, out)
         log.add(self, "num_steps", 1)
         return finished
+
+    def _record_speculative(self, seq: Sequence, tokens: list[int], logprobs, drafts: list[int],
+                            finished: list[Sequence]) -> int:
+        """Record a speculative decode (chapter 14): ``tokens`` are the accepted drafts and one
+        token of the target's. Returns how many were appended.
+
+        The rollback is a count: the step wrote K/V for the last token and every draft, but only
+        those of the last token and the *accepted* drafts are kept -- ``num_cached_tokens`` grows
+        by the tokens appended, and the rejected drafts' slots are overwritten by the next step
+        (``free_lookahead_slots`` gives back the blocks that hold no verified token). A token that
+        finishes the request ends it there; what verification accepted after it is dropped.
+        """
+        log = self.undo_log
+        seq.num_scheduled_tokens = 0
+        appended = 0
+        for t, lp in zip(tokens, logprobs if logprobs else repeat(0.0)):
+            seq.append_token(t)
+            seq.cumulative_logprob += lp
+            appended += 1
+            status = self._finish_status(seq, t)
+            if status is not None:
+                log.remove(self.running, seq)
+                self._set_status(seq, status)
+                finished.append(seq)
+                break
+        seq.num_cached_tokens += appended   # the last token and the accepted drafts before the newest
+        if drafts:
+            self._count_draft(len(drafts), len(tokens) - 1)
+        return appended
+
+    def _count_draft(self, num_draft_tokens: int, num_accepted: int) -> None:
+        stats, log = self.spec_decoding_stats, self.undo_log
+        log.add(stats, "num_drafts", 1)
+        log.add(stats, "num_draft_tokens", num_draft_tokens)
+        log.add(stats, "num_accepted_tokens", num_accepted)
+        per_pos = stats.num_accepted_tokens_per_pos
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
+            log.record(partial(_decrement, per_pos, pos))
 
     def _fork(self, seq: Sequence, num_children: int) -> list[Sequence]:
         """Completions 1 .. num_children of ``seq``'s request: forks sharing its blocks, placed
@@ -547,15 +680,40 @@ class Scheduler:
         if logprobs is not None and len(logprobs) != len(out.seqs):
             raise ValueError(f"{len(out.seqs)} sequences were scheduled but {len(logprobs)} logprob lists came back")
         for i, (seq, n, tokens) in enumerate(zip(out.seqs, out.num_samples, token_ids)):
-            if not isinstance(tokens, (list, tuple)) or len(tokens) != n:
-                raise ValueError(f"sequence {seq.seq_id} samples {n} token(s) in this step: expected a list "
-                                 f"of {n} token ids, got {tokens!r}")
-            if logprobs is not None and (not isinstance(logprobs[i], (list, tuple)) or len(logprobs[i]) != n):
-                raise ValueError(f"sequence {seq.seq_id}: expected {n} log-probabilities, got {logprobs[i]!r}")
+            lookahead = out.num_lookahead_tokens[i] if out.num_lookahead_tokens else 0
+            fits = isinstance(tokens, (list, tuple)) and (
+                len(tokens) == n if not lookahead else 1 <= len(tokens) <= 1 + lookahead)
+            if not fits:
+                expected = f"{n}" if not lookahead else f"1 to {1 + lookahead}"
+                raise ValueError(f"sequence {seq.seq_id} samples {expected} token(s) in this step: expected a list "
+                                 f"of {expected} token ids, got {tokens!r}")
+            if logprobs is not None and (not isinstance(logprobs[i], (list, tuple)) or len(logprobs[i]) != len(tokens)):
+                raise ValueError(f"sequence {seq.seq_id}: expected {len(tokens)} log-probabilities, "
+                                 f"got {logprobs[i]!r}")
             for t in tokens:
                 if type(t) is not int or t < 0:   # (not a bool, not a float)
                     raise ValueError(f"sequence {seq.seq_id}: sampled token {t!r} is not a token id "
                                      f"(an integer >= 0)")
+
+    def _check_drafts(self, out: SchedulerOutput, token_ids, drafts) -> list[list[int]] | None:
+        """The drafts verified per sequence, checked against the step and its results: at most
+        its lookahead slots, and every token but the last one a result yields is an accepted
+        draft. Raises ``ValueError`` otherwise; changes nothing."""
+        if not any(out.num_lookahead_tokens):
+            return None
+        if drafts is None or len(drafts) != len(out.seqs):
+            raise ValueError("a speculative step's results need the drafts verified per sequence "
+                             "(ModelRunnerOutput.draft_token_ids)")
+        for seq, slots, d, tokens in zip(out.seqs, out.num_lookahead_tokens, drafts, token_ids):
+            if len(d) > slots:
+                raise ValueError(f"sequence {seq.seq_id} had {slots} lookahead slot(s) but {len(d)} drafts came back")
+            if slots and not 1 <= len(tokens) <= len(d) + 1:
+                raise ValueError(f"sequence {seq.seq_id}: {len(d)} drafts verified, so 1 to {len(d) + 1} tokens "
+                                 f"must come back, got {len(tokens)}")
+            if slots and list(tokens[:-1]) != list(d[:len(tokens) - 1]):
+                raise ValueError(f"sequence {seq.seq_id}: tokens {list(tokens)} are not accepted drafts of "
+                                 f"{list(d)} followed by one token")
+        return [list(d) for d in drafts]
 
     def unschedule(self, scheduler_output: SchedulerOutput | None = None) -> None:
         """Undo the open step (its results will not be recorded: the model or the sampler
@@ -629,6 +787,10 @@ class Scheduler:
     def _set_status(self, seq: Sequence, status: SequenceStatus) -> None:
         check_transition(seq, status)
         self.undo_log.setattr(seq, "status", status)
+
+
+def _decrement(counts: list[int], index: int) -> None:
+    counts[index] -= 1
 
 
 def _unschedule_tokens(seqs: list[Sequence]) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from course_pkg.block_manager import FREE_QUEUES
+from course_pkg.engine.spec_decode import SpeculativeConfig
 from course_pkg.policies import ADMISSION_POLICIES, PREEMPTION_POLICIES
 from course_pkg.validation import INT64_MAX, check_bool, check_choice, check_int, check_positive_int, check_real
 
@@ -33,7 +34,8 @@ class EngineConfig:
     ``gpu_memory_utilization`` leaves. ``scheduling``, ``preemption_mode`` (with
     ``num_cpu_blocks``) and ``same_step_prefix_hits`` are chapter 09's; ``tensor_parallel_size``
     chapter 10's. ``free_queue``: the BlockManager's free queue ("linked", O(1) revival; the
-    BlockManager alone starts from chapter 02's "deque").
+    BlockManager alone starts from chapter 02's "deque"). ``speculative_config`` is chapter 14's
+    (vLLM's keys, see ``spec_decode.SpeculativeConfig``; kept here checked, as that object).
     """
 
     model: str | Path | None = None
@@ -55,6 +57,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     num_cpu_blocks: int | None = None
     same_step_prefix_hits: bool = False
+    speculative_config: dict | SpeculativeConfig | None = None
 
     def __post_init__(self):
         if self.model is not None:
@@ -95,7 +98,12 @@ class EngineConfig:
         if self.num_cpu_blocks is not None:
             check_int("num_cpu_blocks", self.num_cpu_blocks, minimum=1)
         check_bool("same_step_prefix_hits", self.same_step_prefix_hits)
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         # The rules between fields.
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config is not supported with tensor_parallel_size > 1 (the ranks would "
+                             "have to verify drafts together); use one of them")
         if self.preemption_mode == "swap" and self.num_cpu_blocks is None:
             raise ValueError("preemption_mode='swap' needs a CPU block pool to swap to: pass num_cpu_blocks >= 1, "
                              "or use preemption_mode='recompute'")

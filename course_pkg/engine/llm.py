@@ -128,6 +128,9 @@ class LLM(LLMEngine):
         """
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if self.speculative_config is not None:
+            raise ValueError("beam_search is not supported with speculative decoding (speculative_config): "
+                             "its beams are scored one token at a time; use an engine without it")
         prompts = _as_prompt_list(prompts)
         with self._exclusive():
             if self.has_unfinished_requests():

@@ -74,6 +74,8 @@ class LLMEngine:
             self.config, self.tokenizer = load_config(path), load_tokenizer(path)
             check_tensor_parallel_size(k, self.config, device.type)
         self.max_model_len = max_model_len = cfg.check_against_model(self.config)
+        self.speculative_config = spec = (None if cfg.speculative_config is None else
+                                          cfg.speculative_config.check_against_model(model, self.config))
         runner_kwargs = dict(
             block_size=cfg.block_size, num_kvcache_blocks=cfg.num_kvcache_blocks,
             kv_cache_memory_bytes=cfg.kv_cache_memory_bytes, gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -93,14 +95,18 @@ class LLMEngine:
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=cfg.enable_prefix_caching, eos_token_id=eos, free_queue=cfg.free_queue,
             scheduling=cfg.scheduling, preemption_mode=cfg.preemption_mode, num_cpu_blocks=cfg.num_cpu_blocks,
-            same_step_prefix_hits=cfg.same_step_prefix_hits)
+            same_step_prefix_hits=cfg.same_step_prefix_hits,
+            num_lookahead_tokens=spec.num_speculative_tokens if spec is not None else 0)
+        if spec is not None:
+            self.model_runner.proposer = make_proposer(spec)
         self.block_size = cfg.block_size
         self.num_steps = 0
         self.last_step: StepInfo | None = None
         self._requests: dict[int, _Request] = {}     # every request not yet handed out
         self._ready: list[int] = []                  # requests whose every completion finished
         self._lock = threading.RLock()
-        self.prometheus = PrometheusMetrics(Path(model).name if model is not None else "course-tiny")
+        self.prometheus = PrometheusMetrics(Path(model).name if model is not None else "course-tiny",
+                                            num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
         self.prometheus.update(self.get_metrics())
 
     @property
@@ -322,7 +328,7 @@ class LLMEngine:
 
     def get_metrics(self) -> EngineMetrics:
         sched, bm = self.scheduler, self.scheduler.block_manager
-        stats, cache = sched.stats, bm.prefix_cache_stats
+        stats, cache, spec = sched.stats, bm.prefix_cache_stats, sched.spec_decoding_stats
         return EngineMetrics(
             num_requests_running=len(sched.running), num_requests_waiting=len(sched.waiting),
             num_kvcache_blocks=bm.num_blocks, kv_cache_usage_perc=bm.kv_cache_usage,
@@ -333,7 +339,19 @@ class LLMEngine:
             num_prefill_steps=stats.num_prefill_steps, num_decode_steps=stats.num_decode_steps,
             num_mixed_steps=stats.num_mixed_steps, num_swapped_out=stats.num_swapped_out,
             num_swapped_in=stats.num_swapped_in, num_swap_fallbacks=stats.num_swap_fallbacks,
-            cpu_kv_cache_usage_perc=sched.cpu_pool.usage if sched.cpu_pool is not None else 0.0)
+            cpu_kv_cache_usage_perc=sched.cpu_pool.usage if sched.cpu_pool is not None else 0.0,
+            spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos))
+
+
+def make_proposer(spec):
+    """The proposer a ``SpeculativeConfig`` names (chapter 14)."""
+    from course_pkg.engine.spec_decode import EarlyExitProposer, NgramProposer
+
+    if spec.method == "ngram":
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    return EarlyExitProposer(spec.num_draft_layers)
 
 
 def _as_ids(value) -> list[int]:

@@ -14,6 +14,11 @@ serves. Three kinds, as in vLLM v1:
   vLLM's buckets: ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
   ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``.
 
+An engine that speculates (chapter 14) also registers vLLM's speculative-decoding counters:
+``vllm:spec_decode_num_drafts``, ``vllm:spec_decode_num_draft_tokens``,
+``vllm:spec_decode_num_accepted_tokens`` and ``vllm:spec_decode_num_accepted_tokens_per_pos``
+(one child per draft position, label ``position``, 0-based).
+
 Counters cannot be set, only increased, so ``update`` adds what the engine's totals grew by
 since the last call. Two counters of this course carry its own prefix, not vLLM's, because vLLM
 v1 has no swapping: ``course:num_swapped_out`` and ``course:num_swap_fallbacks`` (swap
@@ -45,6 +50,13 @@ COUNTERS = {
     "course:num_swapped_out": ("num_swapped_out", "Preemptions that swapped the victim's blocks to the CPU pool."),
     "course:num_swap_fallbacks": ("num_swap_fallbacks", "Swap preemptions recomputed because the CPU pool was full."),
 }
+SPEC_DECODE_COUNTERS = {  # registered when the engine speculates (chapter 14), as in vLLM
+    "vllm:spec_decode_num_drafts": ("spec_decode_num_drafts", "Number of spec decoding drafts."),
+    "vllm:spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Number of draft tokens."),
+    "vllm:spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+}
+SPEC_DECODE_PER_POS = ("vllm:spec_decode_num_accepted_tokens_per_pos",
+                       "Accepted tokens per draft position.")
 HISTOGRAMS = {  # Prometheus name -> (buckets, help)
     "vllm:time_to_first_token_seconds": (TTFT_BUCKETS, "Histogram of time to first token in seconds."),
     "vllm:inter_token_latency_seconds": (ITL_BUCKETS, "Histogram of inter-token latency in seconds."),
@@ -57,28 +69,39 @@ HISTOGRAMS = {  # Prometheus name -> (buckets, help)
 class PrometheusMetrics:
     """One engine's gauges, counters and histograms, labelled ``model_name`` and ``engine`` as in vLLM."""
 
-    def __init__(self, model_name: str, engine: str = "0"):
+    def __init__(self, model_name: str, engine: str = "0", num_speculative_tokens: int = 0):
         self.registry = CollectorRegistry()
         labels = dict(model_name=model_name, engine=engine)
         self.gauges = {name: Gauge(name, doc, list(labels), registry=self.registry).labels(**labels)
                        for name, (_, doc) in GAUGES.items()}
+        self.counter_fields = dict(COUNTERS, **(SPEC_DECODE_COUNTERS if num_speculative_tokens else {}))
         self.counters = {name: Counter(name, doc, list(labels), registry=self.registry).labels(**labels)
-                         for name, (_, doc) in COUNTERS.items()}
+                         for name, (_, doc) in self.counter_fields.items()}
+        self.per_pos = []   # vLLM's per-position acceptance counter: one child per draft position
+        if num_speculative_tokens:
+            name, doc = SPEC_DECODE_PER_POS
+            counter = Counter(name, doc, list(labels) + ["position"], registry=self.registry)
+            self.per_pos = [counter.labels(**labels, position=str(p)) for p in range(num_speculative_tokens)]
+        self._per_pos_counted = [0] * num_speculative_tokens
         self.histograms = {name: Histogram(name, doc, list(labels), buckets=buckets,
                                            registry=self.registry).labels(**labels)
                            for name, (buckets, doc) in HISTOGRAMS.items()}
-        self._counted = {name: 0 for name in COUNTERS}   # totals already added to each counter
+        self._counted = {name: 0 for name in self.counter_fields}   # totals already added to each counter
 
     def update(self, metrics) -> None:
         """Bring the gauges and counters to an ``EngineMetrics`` snapshot."""
         values = metrics.as_dict()
         for name, (field, _) in GAUGES.items():
             self.gauges[name].set(values[field])
-        for name, (field, _) in COUNTERS.items():
+        for name, (field, _) in self.counter_fields.items():
             grown = values[field] - self._counted[name]
             if grown > 0:
                 self.counters[name].inc(grown)
                 self._counted[name] = values[field]
+        for p, (child, total) in enumerate(zip(self.per_pos, values["spec_decode_num_accepted_tokens_per_pos"])):
+            if total > self._per_pos_counted[p]:
+                child.inc(total - self._per_pos_counted[p])
+                self._per_pos_counted[p] = total
 
     def observe_token(self, ttft: float | None, inter_token_latency: float | None) -> None:
         """A request sampled a token: its first (``ttft``) or a later one (the gap since the last)."""

@@ -22,6 +22,8 @@ chunk in the middle of a prompt only fills the cache. ``execute_model`` performs
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from course_pkg.engine.outputs import ModelRunnerOutput
@@ -73,6 +75,8 @@ class ModelRunner:
         # Per layer, (k_cache, v_cache): views into the one tensor, no copies.
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(self.num_layers)]
         self.cpu_kv_cache = self._allocate_cpu_cache(num_cpu_blocks)
+        # Speculative decoding (chapter 14): a NgramProposer or an EarlyExitProposer, set by the engine.
+        self.proposer = None
 
     # ---------------------------------------------------------------- swapping (chapter 09)
 
@@ -191,14 +195,123 @@ class ModelRunner:
         self.swap_out(list(out.blocks_to_swap_out))
         self.copy_blocks(list(out.blocks_to_copy))   # copy-on-write, before the forward pass
         self.swap_in(list(out.blocks_to_swap_in))
+        if any(out.num_lookahead_tokens):
+            return self.execute_speculative(out, undo_log)
         tokens, logprobs = self.run_with_logprobs(list(out.seqs), list(out.num_samples), undo_log)
         return ModelRunnerOutput(sampled_token_ids=tokens, logprobs=logprobs)
 
-    def prepare(self, seqs: list[Sequence]):
+    # ---------------------------------------------------------------- speculative decoding (chapter 14)
+
+    def execute_speculative(self, out, undo_log=None) -> ModelRunnerOutput:
+        """A step with lookahead slots: propose drafts into them, verify every draft in the one
+        forward pass of the step, keep the accepted ones.
+
+        Per speculating sequence the pass computes its last token and its drafts ``d_1..d_j``
+        (``j`` at most its lookahead slots), so the logits after each of them come out of one
+        pass; the acceptance rule (``spec_decode.greedy_accept`` or ``rejection_sample``) turns
+        those ``j + 1`` rows into the 1 to ``j + 1`` tokens the step yields. The other sequences
+        of the batch (prompt chunks, decodes without drafts) are computed and sampled as usual.
+        """
+        from course_pkg.engine.spec_decode import greedy_accept, rejection_sample
+        from course_pkg.engine.sampler import GREEDY_BELOW
+
+        seqs = list(out.seqs)
+        drafts, draft_probs = self.propose(seqs, list(out.num_lookahead_tokens), undo_log)
+        logits, sample_seqs = self._forward(seqs, drafts)
+        logits = logits.float() if logits is not None else None
+        rows, row = {}, 0
+        for seq in sample_seqs:   # each sampled sequence's logits rows: 1, or 1 + its drafts
+            n = 1 + len(drafts.get(id(seq), ()))
+            rows[id(seq)] = (row, row + n)
+            row += n
+        plain = [s for s in sample_seqs if not drafts.get(id(s))]
+        counts = {id(s): n for s, n in zip(seqs, out.num_samples)}
+        by_seq = {}
+        if plain:
+            plain_rows = torch.tensor([rows[id(s)][0] for s in plain], device=logits.device)
+            tokens, logprobs = self.sampler.sample(logits[plain_rows], plain, [counts[id(s)] for s in plain], undo_log)
+            by_seq.update((id(s), (t, lp)) for s, t, lp in zip(plain, tokens, logprobs))
+        for seq in sample_seqs:
+            d = drafts.get(id(seq))
+            if not d:
+                continue
+            a, b = rows[id(seq)]
+            seq_logits = logits[a:b]
+            if seq.temperature < GREEDY_BELOW:
+                tokens = greedy_accept(d, seq_logits.argmax(dim=-1).tolist())
+            else:
+                target = self.sampler.probs(seq_logits, seq)
+                tokens = rejection_sample(d, draft_probs.get(id(seq)), target,
+                                          self.sampler.generator_for(seq, undo_log))
+            lp = torch.log_softmax(seq_logits[:len(tokens)], dim=-1)
+            by_seq[id(seq)] = (tokens, lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist())
+        results = [by_seq.get(id(seq), ([], [])) for seq in seqs]
+        return ModelRunnerOutput(sampled_token_ids=[t for t, _ in results], logprobs=[lp for _, lp in results],
+                                 draft_token_ids=[list(drafts.get(id(seq), ())) for seq in seqs])
+
+    def propose(self, seqs: list[Sequence], num_lookahead_tokens: list[int], undo_log=None):
+        """The drafts of this step: ``({id(seq): drafts}, {id(seq): q rows})`` for the sequences
+        with lookahead slots, at most that many drafts each (``q``: the draft distributions of an
+        early-exit draft that sampled; absent for greedy and n-gram drafts)."""
+        from course_pkg.engine.spec_decode import NgramProposer
+
+        spec = [(s, n) for s, n in zip(seqs, num_lookahead_tokens) if n]
+        if isinstance(self.proposer, NgramProposer):
+            return {id(s): self.proposer.propose(s.token_ids, n) for s, n in spec}, {}
+        if self.proposer is None:
+            raise RuntimeError("the step has lookahead slots but this model runner has no proposer")
+        return self._propose_early_exit(spec, undo_log)
+
+    @torch.inference_mode()
+    def _propose_early_exit(self, spec, undo_log=None):
+        """``EarlyExitProposer``: one pass of the first layers per draft position, all
+        speculating sequences together (those with fewer slots drop out)."""
+        from course_pkg.engine.sampler import GREEDY_BELOW
+
+        num_layers = self.proposer.num_layers
+        model = self.model.model
+        drafts = {id(s): [] for s, _ in spec}
+        probs = {id(s): [] for s, _ in spec if s.temperature >= GREEDY_BELOW}
+        bs = self.block_size
+        for i in range(max(n for _, n in spec)):
+            active = [s for s, n in spec if n > i]
+            ids = [(s.token_ids[-1] if i == 0 else drafts[id(s)][-1]) for s in active]
+            positions = [s.num_tokens - 1 + i for s in active]
+            slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(active, positions)]
+            width = max(len(s.block_table) for s in active)
+            tensor = partial(torch.tensor, device=self.device)
+            attn = AttentionMetadata(
+                slot_mapping=tensor(slots, dtype=torch.long),
+                block_tables=tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in active],
+                                    dtype=torch.int32),
+                context_lens=tensor([p + 1 for p in positions], dtype=torch.int32),
+                cu_seqlens_q=tensor(list(range(len(active) + 1)), dtype=torch.int32),
+                max_q_len=1, max_context_len=max(positions) + 1, backend=self.attention_backend)
+            input_ids, pos = tensor(ids, dtype=torch.long), tensor(positions, dtype=torch.long)
+            x = model.embed_tokens(input_ids)
+            cos, sin = model.rotary.cos_sin(pos, x.dtype)
+            for layer, kv_cache in zip(model.layers[:num_layers], self.kv_caches):
+                x = layer(x, cos, sin, attn, kv_cache)
+            logits = self.model.compute_logits(model.norm(x)).float()
+            for j, s in enumerate(active):
+                if s.temperature < GREEDY_BELOW:
+                    drafts[id(s)].append(int(logits[j].argmax()))
+                    continue
+                q = self.sampler.probs(logits[j:j + 1], s)[0]
+                noise = torch.empty_like(q).exponential_(generator=self.sampler.generator_for(s, undo_log))
+                drafts[id(s)].append(int((q / noise.clamp_min_(1e-30)).argmax()))
+                probs[id(s)].append(q)
+        return drafts, {key: torch.stack(rows) for key, rows in probs.items() if rows}
+
+    def prepare(self, seqs: list[Sequence], draft_token_ids: dict[int, list[int]] | None = None):
         """The flat batch of one step: ``(input_ids, positions, attn, logits_rows, sample_seqs)``.
 
         ``logits_rows[j]`` is the row of the last token of ``sample_seqs[j]`` -- the sequences
         whose step reaches their last token and so need a sampled token.
+
+        ``draft_token_ids`` (speculative decoding): per speculating sequence (by ``id``), its
+        drafts. Such a sequence computes its last token and then its drafts, in the lookahead
+        slots after it, and has ``1 + len(drafts)`` logits rows, one after each of them.
         """
         bs = self.block_size
         input_ids: list[int] = []
@@ -210,14 +323,20 @@ class ModelRunner:
         sample_seqs: list[Sequence] = []
         for seq in seqs:
             start = seq.num_cached_tokens
-            end = start + seq.num_scheduled_tokens
-            if not 0 <= start < end <= seq.num_tokens:
-                raise ValueError(f"sequence {seq.seq_id}: cannot compute tokens [{start}, {end}) "
-                                 f"of {seq.num_tokens}")
+            drafts = draft_token_ids.get(id(seq)) if draft_token_ids else None
+            if drafts is not None:   # speculative: the last token, then the drafts
+                token_ids, end = seq.token_ids + drafts, seq.num_tokens + len(drafts)
+                if start != seq.num_tokens - 1:
+                    raise ValueError(f"sequence {seq.seq_id} speculates, but it is not decoding")
+            else:
+                token_ids, end = seq.token_ids, start + seq.num_scheduled_tokens
+                if not 0 <= start < end <= seq.num_tokens:
+                    raise ValueError(f"sequence {seq.seq_id}: cannot compute tokens [{start}, {end}) "
+                                     f"of {seq.num_tokens}")
             if len(seq.block_table) * bs < end:
                 raise ValueError(f"sequence {seq.seq_id}: {len(seq.block_table)} blocks cannot hold "
                                  f"{end} tokens of block_size {bs}")
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(token_ids[start:end])
             positions.extend(range(start, end))
             # Slots block by block: a run of consecutive slots inside each physical block.
             for i in range(start // bs, (end - 1) // bs + 1):
@@ -227,7 +346,10 @@ class ModelRunner:
                 slot_mapping.extend(range(base + first, base + last))
             cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
             context_lens.append(end)
-            if end == seq.num_tokens:
+            if drafts:
+                logits_rows.extend(range(cu_seqlens_q[-1] - 1 - len(drafts), cu_seqlens_q[-1]))
+                sample_seqs.append(seq)
+            elif end == seq.num_tokens:
                 logits_rows.append(cu_seqlens_q[-1] - 1)
                 sample_seqs.append(seq)
         max_blocks = max(len(seq.block_table) for seq in seqs)
@@ -285,8 +407,8 @@ class ModelRunner:
             raise ValueError("compute_logprobs needs every sequence to reach its last token")
         return torch.log_softmax(logits.float(), dim=-1)
 
-    def _forward(self, seqs: list[Sequence]):
-        input_ids, positions, attn, logits_rows, sample_seqs = self.prepare(seqs)
+    def _forward(self, seqs: list[Sequence], draft_token_ids: dict[int, list[int]] | None = None):
+        input_ids, positions, attn, logits_rows, sample_seqs = self.prepare(seqs, draft_token_ids)
         hidden = self.model(input_ids, positions, attn, self.kv_caches)
         logits = self.model.compute_logits(hidden[logits_rows]) if sample_seqs else None
         return logits, sample_seqs

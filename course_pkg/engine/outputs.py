@@ -14,10 +14,15 @@ from dataclasses import asdict, dataclass, field
 class ModelRunnerOutput:
     """A step's results (vLLM v1's name): per scheduled sequence, in batch order, the
     ``num_samples`` tokens sampled for it (empty for a prompt chunk) and their
-    log-probabilities (``log_softmax`` of the raw logits)."""
+    log-probabilities (``log_softmax`` of the raw logits).
+
+    A speculative step (chapter 14) also returns ``draft_token_ids``: per sequence the drafts it
+    verified (empty for one that did not speculate); its ``sampled_token_ids`` are then the
+    accepted drafts followed by one token of the target's."""
 
     sampled_token_ids: list[list[int]]
     logprobs: list[list[float]]
+    draft_token_ids: list[list[int]] | None = None
 
 
 @dataclass
@@ -142,6 +147,18 @@ class EngineMetrics:
     num_swapped_in: int = 0
     num_swap_fallbacks: int = 0         # swap preemptions recomputed because the CPU pool was full
     cpu_kv_cache_usage_perc: float = 0.0
+    # speculative decoding (chapter 14): proposals, their tokens, the tokens accepted (per position)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float:
+        """1 + accepted drafts per proposal: the tokens one speculating step yields on average."""
+        if not self.spec_decode_num_drafts:
+            return 0.0
+        return 1 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts
 
     def as_dict(self) -> dict:
         return asdict(self)

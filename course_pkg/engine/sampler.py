@@ -100,6 +100,24 @@ class Sampler:
             k += n
         return out_tokens, out_logprobs
 
+    def probs(self, rows: torch.Tensor, seq: Sequence) -> torch.Tensor:
+        """The distribution ``seq`` samples from, per row of float32 logits (``[n, vocab]``): the
+        temperature's softmax, cut to the top-p nucleus and renormalised (speculative decoding's
+        target and draft distributions, chapter 14)."""
+        probs = torch.softmax(rows.float() / seq.temperature, dim=-1)
+        top_p = seq.sampling_params.top_p
+        if top_p < 1.0:
+            probs = top_p_filter(probs, torch.full((rows.shape[0],), top_p, device=rows.device))
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
+
+    def generator_for(self, seq: Sequence, undo_log=None) -> torch.Generator:
+        """The generator ``seq`` draws from (its request's own when seeded, else the shared one),
+        ready to draw: its state is recorded in ``undo_log``."""
+        if seq.sampling_params.seed is not None:
+            return self._generator(seq, seq.index, undo_log)
+        return _ready_to_draw(self.generator, undo_log)
+
     def _draw(self, rows: torch.Tensor, targets, undo_log=None) -> list[int]:
         """One token per target; ``rows[i]`` are the float32 logits of target ``i``."""
         tokens = rows.argmax(dim=-1)

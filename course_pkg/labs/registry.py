@@ -192,6 +192,19 @@ _LABS = [
          "course_pkg.distributed.layers:RowParallelLinear.forward",
          "course_pkg.distributed.layers:VocabParallelEmbedding.forward"),
         task="the `forward` of `Column`, `Row` and `VocabEmbedding` (subclasses of the package's layers)"),
+    Lab("rollback", "The rollback of a speculative step: give back what holds no verified token", 14,
+        "speculative steps by hand (one, some, all and no drafts accepted; block sizes 1, 2, 4): the blocks "
+        "kept, the free queue's order, nothing rejected registered; a shared prefix; random steps over "
+        "several sequences in lockstep; the engine speculating over your manager gives the tokens of one "
+        "that does not",
+        "course_pkg.block_manager:BlockManager", f"{_S}:StudentRollbackBlockManager",
+        f"{_G}.spec_decode:grade_rollback",
+        {"frees a block still holding accepted tokens": f"{_M}:FloorKeepRollbackBlockManager",
+         "registers rejected tokens": f"{_M}:RegistersRejectedRollbackBlockManager",
+         "forgets to free an emptied block": f"{_M}:LastBlockOnlyRollbackBlockManager",
+         "gives blocks back to the tail": f"{_M}:TailReleaseRollbackBlockManager"},
+        ("course_pkg.block_manager:BlockManager.free_lookahead_slots",),
+        task="`BlockManager.free_lookahead_slots`, the rollback after verification"),
     Lab("kv_block_bytes", "Bytes of one KV block", 7,
         "hand-computed sizes (Qwen3-0.6B, Llama-3-8B, odd shapes) and the bytes a ModelRunner allocates per block",
         "course_pkg.labs.arithmetic:kv_block_bytes", f"{_S}:student_kv_block_bytes",

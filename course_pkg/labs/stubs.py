@@ -290,3 +290,24 @@ class StudentRadixCache(RadixCache):
         """Remove up to ``num`` nodes, one at a time: each time the unheld *leaf* (no children,
         ``ref_count == 0``) with the smallest ``eviction_key``. Return how many were removed."""
         ...
+
+
+# ---------------------------------------------------------------- chapter 14
+
+class StudentRollbackBlockManager(BlockManager):
+    """Lab ``rollback``: after a speculative step's verification, give back what holds no verified token."""
+
+    def free_lookahead_slots(self, seq: Sequence) -> list[int]:
+        """Give back every block of ``seq.block_table`` past those that hold a verified token;
+        return their ids in table order.
+
+        When this is called, verification is done: ``seq``'s accepted tokens are appended and
+        ``seq.num_cached_tokens`` counts the tokens whose K/V are verified (the rejected drafts'
+        slots are not counted). Keep exactly the blocks that hold positions ``0 ..
+        num_cached_tokens - 1``. The blocks past them were taken for lookahead from the head of
+        the free queue; put each back at the head so that the queue ends as it was before they
+        were taken (use ``self._release_to_head(block)`` after setting its ``ref_count`` to 0;
+        ``self._save(seq)`` and ``self._save(block)`` before you change them record their
+        before-images in the step's undo log). Register nothing.
+        """
+        ...

@@ -1,0 +1,218 @@
+"""Speculative decoding (chapter 14): guess k tokens cheaply, let the model check them in one pass.
+
+A decode step computes one token per sequence, and on a GPU that step is memory-bound: the
+weights are read once whether the step computes 1 token or 5. Speculative decoding spends the
+idle arithmetic. A cheap *proposer* guesses the next ``k`` tokens (the *drafts*); the target
+model computes the sequence's last token and the ``k`` drafts in one forward pass, which gives
+its own next-token distribution after each of them; the drafts are accepted from the left as
+long as the target agrees, and the first disagreement is replaced by the target's own token.
+A step so yields between 1 and ``k + 1`` tokens, and -- the point -- exactly the tokens the
+target would have produced alone: token for token when greedy, in distribution when sampling
+(rejection sampling, Leviathan et al. 2023; Chen et al. 2023).
+
+The pieces, with vLLM's names:
+
+* :class:`SpeculativeConfig` -- ``LLM(speculative_config={...})``, vLLM's keys:
+  ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``
+  or ``{"method": "draft_model", "num_speculative_tokens": k, "num_draft_layers": 2}``.
+* :class:`NgramProposer` -- prompt lookup decoding (Saxena 2023): no model at all; find the
+  longest recent n-gram earlier in the sequence and propose what followed it there.
+* :class:`EarlyExitProposer` -- the ``draft_model`` of this course: the target's own first
+  ``num_draft_layers`` layers, its final norm and its LM head (self-speculation, as in LayerSkip
+  and Draft & Verify). It needs no second checkpoint and no second KV cache: the draft's K/V in
+  those layers are the target's, so it reads the cache the target wrote and writes its drafts'
+  K/V into the lookahead slots, which verification then overwrites.
+* :func:`greedy_accept` and :func:`rejection_sample` -- the acceptance rules, pure functions.
+* ``scheduler.SpecDecodingStats`` -- ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``,
+  ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``; the mean acceptance length
+  (kept by the torch-free Scheduler, which records each step's results).
+
+The block side (the lookahead slots, the rollback) is the Scheduler's and the BlockManager's:
+``Scheduler._schedule_lookahead``, ``BlockManager.allocate_lookahead_slots`` and
+``BlockManager.free_lookahead_slots``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from course_pkg.validation import check_choice, check_int
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+_KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
+         "draft_model": {"method", "num_speculative_tokens", "model", "num_draft_layers"}}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """What ``LLM(speculative_config={...})`` asks for, checked (vLLM's ``SpeculativeConfig`` keys).
+
+    ``num_speculative_tokens``: drafts per step (k). ``ngram``: ``prompt_lookup_max`` and
+    ``prompt_lookup_min`` bound the n-gram that is looked up (vLLM's defaults: one given sets
+    the other; neither given means 5 and 5). ``draft_model``: the course drafts with the
+    target's first ``num_draft_layers`` layers (default: half of them, at least one); ``model``,
+    if given, must name the target's own checkpoint -- a separate draft checkpoint would need a
+    KV cache of its own, which this course does not build.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+    num_draft_layers: int | None = None
+
+    @classmethod
+    def from_dict(cls, value) -> "SpeculativeConfig":
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(f"speculative_config must be a dict such as {{'method': 'ngram', "
+                            f"'num_speculative_tokens': 3}}, got {type(value).__name__}")
+        if "method" not in value:
+            raise ValueError(f"speculative_config needs a 'method', one of {SPECULATIVE_METHODS}")
+        method = check_choice("speculative_config['method']", value["method"], SPECULATIVE_METHODS)
+        unknown = set(value) - _KEYS[method]
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {sorted(unknown)} for method {method!r}; "
+                             f"the keys are {sorted(_KEYS[method])}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs 'num_speculative_tokens' (the drafts per step, k >= 1)")
+        k = check_int("speculative_config['num_speculative_tokens']", value["num_speculative_tokens"], minimum=1)
+        if method == "ngram":
+            lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+            if lo is None and hi is None:
+                lo = hi = 5
+            lo = hi if lo is None else lo
+            hi = lo if hi is None else hi
+            check_int("speculative_config['prompt_lookup_min']", lo, minimum=1)
+            check_int("speculative_config['prompt_lookup_max']", hi, minimum=1)
+            if lo > hi:
+                raise ValueError(f"speculative_config: prompt_lookup_min={lo} is more than prompt_lookup_max={hi}")
+            return cls(method, k, prompt_lookup_max=hi, prompt_lookup_min=lo)
+        layers = value.get("num_draft_layers")
+        if layers is not None:
+            check_int("speculative_config['num_draft_layers']", layers, minimum=1)
+        model = value.get("model")
+        if model is not None and not isinstance(model, (str, Path)):
+            raise TypeError(f"speculative_config['model'] must be a checkpoint folder, got {type(model).__name__}")
+        return cls(method, k, model=None if model is None else str(model), num_draft_layers=layers)
+
+    def check_against_model(self, model_path, model_config) -> "SpeculativeConfig":
+        """The rules that need the target's checkpoint; returns the config with its defaults filled in."""
+        if self.method != "draft_model":
+            return self
+        if self.model is not None:
+            from course_pkg.models import default_model_path
+            target = Path(default_model_path() if model_path is None else model_path).resolve()
+            if Path(self.model).resolve() != target:
+                raise ValueError(f"speculative_config['model']={self.model!r} is not the target checkpoint: this "
+                                 f"course drafts with the target's own first layers (num_draft_layers), which "
+                                 f"share its KV cache; a separate draft model is not supported")
+        total = model_config.num_hidden_layers
+        layers = self.num_draft_layers if self.num_draft_layers is not None else max(1, total // 2)
+        if not 1 <= layers < total:
+            raise ValueError(f"speculative_config['num_draft_layers']={layers}: the draft must use fewer layers "
+                             f"than the target's {total} (and at least 1)")
+        return SpeculativeConfig(self.method, self.num_speculative_tokens, model=self.model, num_draft_layers=layers)
+
+
+# ---------------------------------------------------------------- proposers
+
+
+class NgramProposer:
+    """Prompt lookup decoding: the tokens that followed the latest n-gram's earlier occurrence.
+
+    The last ``n`` tokens, for ``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``,
+    are searched for earlier in the sequence (prompt and generated tokens); at the first ``n``
+    that occurs, the earliest occurrence wins (as in vLLM's ``NgramProposer``), and up to ``k``
+    tokens that followed it are proposed. No match: no drafts. Torch-free and stateless.
+    """
+
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
+        self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        num_tokens = len(token_ids)
+        for n in range(min(self.max_n, num_tokens - 1), self.min_n - 1, -1):
+            suffix = token_ids[num_tokens - n:]
+            for start in range(num_tokens - n):   # every earlier position, the suffix itself excluded
+                if token_ids[start:start + n] == suffix:
+                    return token_ids[start + n:start + n + k]
+        return []
+
+
+class EarlyExitProposer:
+    """Drafts with the target's first ``num_layers`` layers, its final norm and its LM head.
+
+    One pass per draft, over every speculating sequence at once: pass ``i`` feeds token
+    ``i`` of ``[last token, d_1, ..., d_{k-1}]``, writes its K/V in those layers into the
+    sequence's slot for it (the lookahead slots) and reads the cache the target wrote for the
+    earlier tokens -- the same weights on the same tokens give the same K/V, so the draft needs
+    no cache of its own. Greedy requests draft greedily; sampled ones sample their draft from
+    the draft's distribution ``q`` (the request's temperature and top-p), which rejection
+    sampling needs.
+    """
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+
+
+# ---------------------------------------------------------------- acceptance
+
+
+def greedy_accept(draft_token_ids: list[int], target_token_ids: list[int]) -> list[int]:
+    """The tokens a greedy step yields: the drafts up to the first that differs from the target's
+    arg-max, then the target's own token there (or, all accepted, the bonus token after them).
+
+    ``target_token_ids[i]`` is the target's arg-max after the last token and ``i`` drafts
+    (``len(draft_token_ids) + 1`` of them). The result is exactly what ``len(result)`` steps of
+    plain greedy decoding produce.
+    """
+    out = []
+    for draft, target in zip(draft_token_ids, target_token_ids):
+        out.append(target)
+        if draft != target:
+            return out
+    out.append(target_token_ids[len(draft_token_ids)])
+    return out
+
+
+def rejection_sample(draft_token_ids: list[int], draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
+                     generator: torch.Generator | None = None) -> list[int]:
+    """The tokens a sampled step yields, distributed exactly as sampling the target alone.
+
+    ``target_probs``: ``[k + 1, V]``, the target's distribution after the last token and after
+    each of the ``k`` drafts. ``draft_probs``: ``[k, V]``, the distribution ``q`` each draft was
+    sampled from, or None for a deterministic proposer (n-gram: ``q`` is all on the draft). Draft
+    ``x`` is accepted with probability ``min(1, p(x) / q(x))``; the first rejected one is replaced
+    by a sample of the residual ``max(0, p - q)`` renormalised; with every draft accepted, a
+    bonus token is drawn from the last row of ``p``. (Leviathan et al. 2023, Algorithm 1.)
+    """
+    k = len(draft_token_ids)
+    if target_probs.shape[0] != k + 1:
+        raise ValueError(f"{k} drafts need {k + 1} rows of target probabilities, got {target_probs.shape[0]}")
+    device = target_probs.device
+    if draft_probs is None:
+        draft_probs = torch.zeros(k, target_probs.shape[1], device=device)
+        if k:
+            draft_probs[torch.arange(k, device=device), torch.tensor(draft_token_ids, device=device)] = 1.0
+    out = []
+    for i, x in enumerate(draft_token_ids):
+        p, q = target_probs[i], draft_probs[i]
+        u = torch.rand((), generator=generator, device=device)
+        if u * q[x] < p[x]:        # u < p(x) / q(x), without dividing (q(x) > 0: x was drawn from q)
+            out.append(x)
+            continue
+        out.append(_sample(torch.clamp(p - q, min=0.0), generator))
+        return out
+    out.append(_sample(target_probs[k], generator))
+    return out
+
+
+def _sample(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    """A token drawn with probability proportional to ``weights`` (the sampler's exponential race)."""
+    noise = torch.empty_like(weights).exponential_(generator=generator).clamp_min_(1e-30)
+    return int((weights / noise).argmax())
