@@ -241,8 +241,10 @@ class AsyncLLM:
         """Stream one request's outputs as its tokens arrive (vLLM's ``AsyncLLM.generate``).
 
         ``stop``: strings that end a completion when its text contains one (the text is cut
-        before it; ``finish_reason`` is ``"stop"``, ``stop_reason`` the string). Leaving the
-        loop early, or cancelling the task, aborts the request. Raises what ``add_request``
+        before it; ``finish_reason`` is ``"stop"``, ``stop_reason`` the string). Closing the
+        generator (``aclose()``), cancelling the task iterating it, or the generator being
+        garbage-collected aborts the request (a bare ``break`` leaves it to the garbage
+        collector: close it). Raises what ``add_request``
         raises, :class:`EngineGenerateError` if a step kept failing with this request in it,
         :class:`EngineDeadError` if the engine shut down meanwhile.
         """
