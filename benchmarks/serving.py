@@ -8,8 +8,10 @@
 2. The server (``python -m course_pkg.serve``) started as a process of its own -- so the client
    and the server do not share a GIL -- and, per arrival rate, ``--num-requests`` streaming
    completions sent open loop at seeded Poisson times (``course_pkg.serve.load``). Per rate:
-   completed requests per second, time to first token p50/p99, inter-token latency p50/p99
-   (from the server-sent events as they arrive), and completed/offline as a ratio.
+   completed requests per second, time to first token p50/p99 (from each request's planned
+   arrival), inter-token latency p50/p99 (from the server-sent events as they arrive), the
+   client's own send lag p99 (how late it sent: if it grows, the client is part of what is
+   measured), and completed/offline as a ratio.
 3. A burst -- every request at once, as ``generate`` gets them -- gives the server's best
    throughput on the same prompts, and its ratio to offline: the price of HTTP, JSON, the SSE
    stream and the output processor in front of the engine.
@@ -99,7 +101,7 @@ def main() -> None:
         asyncio.run(run_load(url, bodies[:8], [0.0] * 8))   # warm-up
         print("\nserver (its own process), Poisson arrivals, measured at the client:")
         print(f"{'offered':>9} {'served':>8} {'/offline':>9} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8}"
-              "  statuses")
+              f" {'lag p99':>8}  statuses")
         mismatches = 0
         for rate in args.rates + [float("inf")]:
             arrivals = [0.0] * n if rate == float("inf") else poisson_arrivals(n, rate, seed=int(rate))
@@ -108,7 +110,8 @@ def main() -> None:
             label = "burst" if rate == float("inf") else f"{rate:g}/s"
             print(f"{label:>9} {run.throughput:6.1f}/s {run.throughput / offline_rate:8.0%} "
                   f"{1000 * run.ttft(50):7.0f}ms {1000 * run.ttft(99):6.0f}ms "
-                  f"{1000 * run.itl(50):6.1f}ms {1000 * run.itl(99):6.1f}ms  {run.statuses()}")
+                  f"{1000 * run.itl(50):6.1f}ms {1000 * run.itl(99):6.1f}ms {1000 * run.send_lag(99):6.1f}ms"
+                  f"  {run.statuses()}")
         print(f"\ncompletions that differ from LLM.generate's: {mismatches}")
         print("(the burst's served/offline ratio is the server's overhead; at a Poisson rate the ratio "
               "cannot exceed offered/offline)")

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -574,3 +575,207 @@ def test_python_m_course_pkg_serve_starts_and_answers():
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+# ------------------------------------------------------------------ review fixes (admission, races, shapes)
+
+def _hold_engine_thread(llm: AsyncLLM):
+    """Park the engine thread on an event, so that the commands queued meanwhile run in one drain."""
+    import threading
+    gate = threading.Event()
+    llm.call_in_engine_thread_nowait(lambda engine, live: gate.wait(30))
+    return gate
+
+
+def test_admission_counts_only_the_requests_waiting_beyond_free_seats(one_torch_thread):
+    with pytest.raises(ValueError, match="max_waiting"):
+        AsyncLLM(device="cpu", num_kvcache_blocks=16, max_waiting=0)
+    llm = AsyncLLM(device="cpu", num_kvcache_blocks=128, max_num_seqs=4, max_waiting=1)
+    long = SamplingParams(max_tokens=300, ignore_eos=True)
+
+    async def main():
+        gate = _hold_engine_thread(llm)
+        # Six adds, all run before any step: four seats are free, so four of them do not wait;
+        # the fifth waits (1 <= max_waiting); the sixth would be the second to wait: refused.
+        adds = [asyncio.ensure_future(llm.add_request(f"Burst {i}", long)) for i in range(6)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        got = await asyncio.gather(*adds, return_exceptions=True)
+        kinds = [type(g).__name__ for g in got]
+        for g in got:
+            if not isinstance(g, Exception):
+                llm.abort_state(g)
+        return kinds
+    try:
+        kinds = asyncio.run(main())
+        assert kinds == ["RequestState"] * 5 + ["QueueFullError"], kinds
+        assert wait_idle(llm)[0] == 128
+    finally:
+        llm.shutdown()
+
+
+def test_an_add_racing_shutdown_is_refused_never_left_hanging(one_torch_thread, monkeypatch):
+    import course_pkg.engine.async_llm as async_llm_module
+
+    llm = AsyncLLM(device="cpu", num_kvcache_blocks=16)
+    original = async_llm_module.RequestState
+
+    class LateState(original):
+        def __init__(self, *args, **kwargs):
+            llm.shutdown()   # the loop stops (and drains its queue for the last time) right here
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(async_llm_module, "RequestState", LateState)
+
+    async def main():
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(llm.add_request("Blocks"), timeout=5)
+    asyncio.run(main())
+
+
+def test_shutdown_never_closes_the_engine_under_a_running_step(one_torch_thread):
+    import threading
+
+    llm = AsyncLLM(device="cpu", num_kvcache_blocks=16)
+    closed, release, in_step = [], threading.Event(), threading.Event()
+    llm.engine.close = lambda: closed.append(True)
+    runner = llm.engine.model_runner
+    original = runner.execute_model
+
+    def slow(out, undo_log):
+        in_step.set()
+        release.wait(30)
+        return original(out, undo_log)
+
+    runner.execute_model = slow
+
+    async def main():
+        gen = llm.generate("Blocks", SamplingParams(max_tokens=3), output_kind=RequestOutputKind.DELTA)
+        task = asyncio.ensure_future(_consume(gen))
+        await asyncio.get_running_loop().run_in_executor(None, in_step.wait, 30)
+        with pytest.raises(TimeoutError, match="still running"):
+            llm.shutdown(timeout=0.1)
+        assert not closed and not llm.is_running
+        with pytest.raises(EngineDeadError):
+            await llm.add_request("Blocks")   # refused at once while the step finishes
+        release.set()
+        await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
+        with pytest.raises(EngineDeadError):
+            await task
+    try:
+        asyncio.run(main())
+        assert closed == [True]
+    finally:
+        release.set()
+        del runner.execute_model
+        if not closed:
+            llm.shutdown()
+
+
+def test_the_load_client_counts_from_the_planned_arrival_and_reports_its_lag():
+    from course_pkg.serve.load import RequestResult, _one
+
+    class FakeStream:
+        status_code = 200
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+        async def aiter_lines(self):
+            for text in ("a", "b"):
+                yield "data: " + json.dumps({"choices": [{"index": 0, "text": text, "logprobs": None}]})
+            yield "data: [DONE]"
+
+    class FakeHTTP:
+        def stream(self, *args, **kwargs):
+            return FakeStream()
+
+    result = RequestResult(arrival=0.0)
+    late_start = time.perf_counter() - 0.5   # the client gets to this request half a second late
+    asyncio.run(_one(FakeHTTP(), {"prompt": "x"}, result, late_start))
+    assert result.ok and result.num_tokens == 2
+    assert 0.5 <= result.send_lag < 5
+    assert result.ttft >= result.send_lag   # the user waited since the planned arrival, not since the send
+
+
+def raw_post(server, path: str, content: str, method: str = "POST") -> httpx.Response:
+    return httpx.request(method, server.url + path, content=content, headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("content, param, words", [
+    ('{"prompt": "x", "temperature": -1}', "temperature", ["temperature"]),
+    ('{"prompt": [1, 2, 5000]}', "prompt", ["5000", "vocabulary"]),
+    ('{"prompt": [1, -2]}', "prompt", ["-2"]),
+    ('{"prompt": "x", "seed": 9223372036854775808}', "seed", ["seed"]),
+    ('{"prompt": "x", "temperature": Infinity}', "temperature", ["temperature", "finite"]),
+    ('{"prompt": "x", "n": 100000}', "n", ["n=100000", "max_num_seqs"]),
+    ('{"prompt": "x", "n": 4, "max_tokens": 2000, "ignore_eos": true}', "max_tokens", ["never fit", "blocks"]),
+    ('{"prompt": [true, false]}', "prompt", ["prompt", "str", "list[int]"]),
+    ('[1, 2]', None, ["must be a JSON object", "list"]),
+    ('"hello"', None, ["must be a JSON object", "str"]),
+    ('{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options", ["stream"]),
+])
+def test_error_objects_name_the_param_and_no_engine_ids(served, content, param, words):
+    llm, server = served
+    r = raw_post(server, "/v1/completions", content)
+    assert_openai_error(r, 400, *words)
+    error = r.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param), error
+    assert error["code"] in (None, "context_length_exceeded"), error   # a word or null, never "400"
+    assert "None" not in error["message"] and not re.search(r"sequence \d", error["message"]), error
+    assert wait_idle(llm)[0] == CONFIG["num_kvcache_blocks"]
+
+
+def test_other_statuses_have_word_types_and_codes(served):
+    llm, server = served
+    wrong_method = raw_post(server, "/v1/completions", "", method="GET")
+    assert_openai_error(wrong_method, 405)
+    assert wrong_method.json()["error"]["type"] == "invalid_request_error"
+    assert wrong_method.json()["error"]["code"] is None
+    unknown = raw_post(server, "/v1/completions", '{"prompt": "x", "model": "gpt-4"}')
+    assert (unknown.json()["error"]["type"], unknown.json()["error"]["code"]) == ("not_found_error", "model_not_found")
+
+
+def test_include_usage_puts_a_null_usage_in_every_chunk_but_the_last(served):
+    llm, server = served
+    for stream_options, has_usage in (({"include_usage": True}, True), ({"include_usage": False}, False)):
+        body = {"prompt": "Blocks", "max_tokens": 4, "temperature": 0, "stream": True, "n": 2,
+                "stream_options": stream_options}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        if has_usage:
+            assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+        else:
+            assert all("usage" not in c for c in chunks) and all(c["choices"] for c in chunks)
+
+
+def test_a_completion_ended_by_a_stop_string_stops_generating_while_its_sibling_goes_on(offline, one_torch_thread):
+    params = SamplingParams(temperature=1.0, seed=21, n=2, max_tokens=40, ignore_eos=True)
+    want = reference(offline, [PROMPTS[3]], params)[0]
+    first, second = want.outputs[0].text, want.outputs[1].text
+    # A stop string early in completion 0 that completion 1 never contains.
+    stop = next(first[i:i + 3] for i in range(4, len(first) - 3)
+                if first[i:i + 3].strip() and first[i:i + 3] not in second)
+    cut = first[:first.index(stop)]
+    assert len(offline.tokenizer.encode(cut, add_special_tokens=False)) < 30, "the stop fires early"
+    llm = AsyncLLM(**CONFIG)
+
+    async def main():
+        state = await llm.add_request(PROMPTS[3], params, stop=[stop], output_kind=RequestOutputKind.FINAL_ONLY)
+        outs = [o async for o in llm.outputs(state)]
+        return state, outs[-1]
+    try:
+        state, out = asyncio.run(main())
+        assert [(c.text, c.finish_reason) for c in out.outputs] == [(cut, "stop"), (second, "length")]
+        stopped = state.seq if state.seq.index == 0 else state.seq.children[0]
+        assert stopped.finish_reason == "abort"   # the engine stopped it ...
+        assert stopped.num_completion_tokens < 34, stopped.num_completion_tokens   # ... soon after the stop
+        assert wait_idle(llm)[0] == CONFIG["num_kvcache_blocks"]
+    finally:
+        llm.shutdown()

@@ -22,15 +22,20 @@ course's version of it::
   ``RequestOutputKind`` asks: ``DELTA`` (what is new), ``CUMULATIVE`` (everything so far) or
   ``FINAL_ONLY``. (In vLLM the processor runs in the API-server process and the engine core in
   another, linked by ZMQ; here a thread and ``loop.call_soon_threadsafe`` play those parts.)
-* **Cancelling aborts.** Leaving the ``async for`` early (a client that disconnects, a task
-  cancelled) aborts the request: its blocks are freed before the next step.
+* **Cancelling aborts.** Closing the generator (``await gen.aclose()``, what a server does when
+  its client disconnects), cancelling the task that iterates it, or the generator being
+  garbage-collected after a ``break`` aborts the request: its blocks are freed before the next
+  step. (A bare ``break`` only leaves the generator suspended; the abort then waits for the
+  garbage collector, so close it.) With ``n > 1``, a completion that ends on a stop string is
+  aborted in the engine on its own: it stops generating while its siblings go on.
 * **A fault fails a step, not the loop.** A step is a transaction (ARCHITECTURE.md, "The undo
   log"): if it raises, the engine is as it was before it. The loop tries the step again
   (``max_step_retries`` times: a transient fault costs nothing); if it keeps failing, the
   requests that step schedules (found by scheduling it once more and undoing it) are aborted
   and their callers get :class:`EngineGenerateError`; every other request carries on.
 * **Clean shutdown.** ``shutdown()`` stops the loop; every request still in flight is aborted
-  and its caller gets :class:`EngineDeadError` saying so.
+  and its caller gets :class:`EngineDeadError` saying so, as does every ``add_request`` that
+  races it. The engine is closed only once the loop has stopped, never under a running step.
 """
 from __future__ import annotations
 
@@ -68,7 +73,7 @@ class EngineGenerateError(RuntimeError):
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue holds ``max_waiting`` requests: admission control refuses another."""
+    """``max_waiting`` requests already wait beyond the free seats: admission control refuses another."""
 
 
 @dataclass
@@ -141,8 +146,10 @@ class AsyncLLM:
     ``AsyncLLM(model=None, max_waiting=None, max_step_retries=1, **engine_kwargs)`` builds the
     engine (the keyword arguments are :class:`EngineConfig`'s) and starts the loop;
     ``AsyncLLM.from_engine(engine)`` wraps one already built (the loop then owns it: nothing
-    else may call it). ``max_waiting`` bounds the waiting queue: a request that would wait
-    behind that many others is refused with :class:`QueueFullError` (a server's 503).
+    else may call it). ``max_waiting`` (at least 1) bounds the waiting queue: a request is
+    refused with :class:`QueueFullError` (a server's 503) when that many requests already wait
+    *beyond the free running seats* (``max_num_seqs`` less the sequences running) -- a request
+    the next step can admit does not count as waiting.
     Use ``async for out in llm.generate(prompt, params): ...``; call ``shutdown()`` at the end.
     """
 
@@ -153,7 +160,7 @@ class AsyncLLM:
         from course_pkg.validation import check_int
 
         if max_waiting is not None:
-            check_int("max_waiting", max_waiting, minimum=0)
+            check_int("max_waiting", max_waiting, minimum=1)
         check_int("max_step_retries", max_step_retries, minimum=0)
         self.engine = engine if engine is not None else LLMEngine(model, **engine_kwargs)
         self.max_waiting = max_waiting
@@ -173,6 +180,7 @@ class AsyncLLM:
         self.num_step_faults = 0
         self.errored: BaseException | None = None        # why the loop died, if it did
         self._stopping = False
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="course-engine-core", daemon=True)
         self._thread.start()
 
@@ -211,6 +219,11 @@ class AsyncLLM:
         state = RequestState(request_id, prompt, sampling_params, stop, output_kind, asyncio.get_running_loop())
         self._by_request_id[request_id] = state
         self._commands.put(("add", state))
+        if self._stopping or not self._thread.is_alive():
+            # The loop may have stopped between the check above and the put, after its last
+            # look at the queue: nobody would answer this add. (If it did see it, the answer
+            # it sends later finds the future done and is dropped.)
+            _set_exception(state.added, self._dead())
         try:
             await state.added
         except BaseException:
@@ -228,8 +241,10 @@ class AsyncLLM:
         """Stream one request's outputs as its tokens arrive (vLLM's ``AsyncLLM.generate``).
 
         ``stop``: strings that end a completion when its text contains one (the text is cut
-        before it; ``finish_reason`` is ``"stop"``, ``stop_reason`` the string). Leaving the
-        loop early, or cancelling the task, aborts the request. Raises what ``add_request``
+        before it; ``finish_reason`` is ``"stop"``, ``stop_reason`` the string). Closing the
+        generator (``aclose()``), cancelling the task iterating it, or the generator being
+        garbage-collected aborts the request (a bare ``break`` leaves it to the garbage
+        collector: close it). Raises what ``add_request``
         raises, :class:`EngineGenerateError` if a step kept failing with this request in it,
         :class:`EngineDeadError` if the engine shut down meanwhile.
         """
@@ -291,12 +306,23 @@ class AsyncLLM:
         self._commands.put(("unlisten", callback))
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the loop; requests in flight are aborted and their callers get EngineDeadError."""
+        """Stop the loop; requests in flight are aborted and their callers get EngineDeadError.
+
+        Waits up to ``timeout`` seconds for the loop to finish its step. If it has not, raises
+        ``TimeoutError`` and leaves the engine open (closing it under a running step would pull
+        its workers from under the forward pass); call ``shutdown()`` again to finish.
+        """
+        self._stopping = True      # from now on add_request refuses
         if self._thread.is_alive():
             self._commands.put(("stop", None))
             self._thread.join(timeout)
-        self._stopping = True
-        self.engine.close()
+        if self._thread.is_alive():
+            raise TimeoutError(f"the engine loop did not stop within {timeout} s (a step is still "
+                               f"running); the engine was left open: call shutdown() again")
+        self._fail_all(self._dead())   # anything queued after the loop's own last drain
+        if not self._closed:
+            self._closed = True
+            self.engine.close()
 
     def __enter__(self):
         return self
@@ -318,6 +344,7 @@ class AsyncLLM:
         state.num_cached_tokens = d.num_cached_tokens
         state.metrics = d.metrics or state.metrics
         state.engine_done = d.finished
+        stopped = []   # completions that end on a stop string in this output
         for c in state.completions:
             if c.finish_reason is not None:
                 continue   # finished here already (a stop string): later tokens are not its own
@@ -333,6 +360,7 @@ class AsyncLLM:
                     cut, which = _find_stop(text, state.stop, start)
                     if which is not None:
                         text, c.finish_reason, c.stop_reason = text[:cut], "stop", which
+                        stopped.append(c.index)
                 c.text = text
             if c.finish_reason is None and engine_reason is not None:
                 c.finish_reason = engine_reason
@@ -342,6 +370,9 @@ class AsyncLLM:
         # Done when every completion is; if they all ended on stop strings before the engine
         # finished them, generate() aborts the request in the engine as it returns.
         state.finished = all(c.finish_reason is not None for c in state.completions)
+        if stopped and not state.finished and not state.engine_done:
+            # n > 1: the siblings go on, but this completion is done -- stop generating it.
+            self._commands.put(("stop_completions", (state, stopped)))
         return self._make_output(state, final=state.finished)
 
     def _make_output(self, state: RequestState, final: bool) -> RequestOutput | None:
@@ -410,9 +441,9 @@ class AsyncLLM:
     def _do_add(self, state: RequestState) -> None:
         engine = self.engine
         try:
-            if self.max_waiting is not None and len(engine.scheduler.waiting) >= self.max_waiting:
-                raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests wait): "
-                                     f"try again later")
+            if self.max_waiting is not None and self.num_waiting_beyond_seats() >= self.max_waiting:
+                raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests wait beyond "
+                                     f"the free seats): try again later")
             rid = engine.add_request(state.engine_prompt, state.sampling_params)
         except Exception as e:
             state.loop.call_soon_threadsafe(_set_exception, state.added, e)
@@ -422,6 +453,13 @@ class AsyncLLM:
         self._states[rid] = state
         state.loop.call_soon_threadsafe(_set_result, state.added, rid)
         self._publish()
+
+    def num_waiting_beyond_seats(self) -> int:
+        """Engine thread: the waiting sequences the next step cannot seat even if blocks allow
+        (``max_num_seqs`` less those running) -- what admission control counts."""
+        sched = self.engine.scheduler
+        free_seats = max(0, sched.max_num_seqs - len(sched.running))
+        return max(0, len(sched.waiting) - free_seats)
 
     def _do_abort(self, state: RequestState) -> None:
         if state.engine_id is None or self._states.pop(state.engine_id, None) is None:
@@ -433,6 +471,20 @@ class AsyncLLM:
         # The caller's generate() (if it still listens) ends with finish_reason "abort".
         state.put(self._collect(state, out) or _Delta({}, {}, {}, len(state.seq_prompt_ids), 0, None, True))
         self._publish()
+
+    def _do_stop_completions(self, arg) -> None:
+        """Abort some completions of a request (they ended on stop strings); the rest go on."""
+        state, indices = arg
+        if state.engine_id is None or state.engine_id not in self._states:
+            return   # never queued, or already handed out
+        sched = self.engine.scheduler
+        for seq in [state.seq] + list(state.seq.children):
+            if seq.index in indices and sched.holds(seq):
+                sched.abort(seq)   # frees its blocks (those shared with a sibling stay)
+        if all(seq.is_finished for seq in [state.seq] + list(state.seq.children)):
+            self._do_abort(state)   # nothing of it runs any more: hand it out now
+        else:
+            self._publish()
 
     def _do_call(self, arg) -> None:
         fn, result = arg

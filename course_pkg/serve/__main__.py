@@ -17,7 +17,8 @@ def main(argv=None) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-waiting", type=int, default=None,
-                        help="refuse a request (503) when this many already wait (default: no bound)")
+                        help="refuse a request (503) when this many already wait beyond the free seats "
+                             "(at least 1; default: no bound)")
     parser.add_argument("--no-prefix-caching", action="store_true")
     args = parser.parse_args(argv)
 

@@ -14,16 +14,19 @@ Errors come back in OpenAI's shape, ``{"error": {"message", "type", "param", "co
 the status a client can act on: 400 for a malformed body, an unknown field, a bad value or a
 prompt that does not fit the context; 404 for an unknown model; 503 when the waiting queue is
 full (``max_waiting``) or the engine is shutting down. A fault the engine could not get past
-is a 500 that says what failed -- never a traceback. A client that disconnects (mid-stream or
+is a 500 that says what failed -- never a traceback. ``param`` names the field at fault (or is
+null); ``code`` is a word for the cases a client can act on (``context_length_exceeded``,
+``model_not_found``, ``queue_full``...) or null, as OpenAI's; messages never name the engine's
+internal sequence ids. A client that disconnects (mid-stream or
 while waiting for a whole completion) aborts its request: its blocks are freed at once.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
-from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,6 +37,7 @@ from course_pkg.engine.async_llm import (AsyncLLM, EngineDeadError, EngineGenera
                                          RequestOutputKind, RequestState)
 from course_pkg.sampling_params import SamplingParams
 from course_pkg.serve.protocol import ChatCompletionRequest, CompletionRequest
+from course_pkg.validation import check_token_ids
 
 
 class APIError(Exception):
@@ -44,13 +48,14 @@ class APIError(Exception):
         self.message, self.status, self.param, self.code = message, status, param, code
 
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "internal_server_error",
-                503: "service_unavailable_error"}
+_ERROR_TYPES = {404: "not_found_error", 503: "service_unavailable_error"}
 
 
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, HTTPStatus(status).phrase),
-                      "param": param, "code": code if code is not None else str(status)}}
+    """OpenAI's error object. ``type`` is a word (any other 4xx is an ``invalid_request_error``,
+    any other 5xx an ``internal_server_error``); ``code`` is a word naming the case, or null."""
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -62,7 +67,7 @@ def as_api_error(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, (ValueError, TypeError)):       # the engine refused the request: nothing was queued
-        return APIError(str(e), 400)
+        return _engine_refusal(str(e))
     if isinstance(e, QueueFullError):
         return APIError(str(e), 503, code="queue_full")
     if isinstance(e, EngineDeadError):
@@ -72,14 +77,38 @@ def as_api_error(e: BaseException) -> APIError:
     return APIError(f"internal error: {type(e).__name__}: {e}", 500)
 
 
+# The engine's messages name its sequence ids, which mean nothing to a client: say "the request".
+_ENGINE_IDS = [(re.compile(r"\bprompt of sequence \d+"), "the prompt"), (re.compile(r"\bsequence \d+"), "the request")]
+_ENGINE_PARAMS = [("can never fit", "max_tokens"), ("asks for n=", "n"), ("prompt", "prompt")]
+
+
+def _engine_refusal(message: str) -> APIError:
+    """A ValueError/TypeError of ``LLMEngine.add_request`` as a 400 without engine ids."""
+    for pattern, words in _ENGINE_IDS:
+        message = pattern.sub(words, message)
+    param = next((p for key, p in _ENGINE_PARAMS if key in message), None)
+    return APIError(message, param=param)
+
+
+# pydantic names the member of a union that failed ("prompt.str", "prompt.list[int].0"): not a field.
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\])$")
+
+
 def _validation_message(errors) -> tuple[str, str | None]:
     """pydantic's errors -> one sentence naming the field (the first error), and that field."""
     first = errors[0]
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    raw_loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    loc = [x for x in raw_loc if not _UNION_MEMBER.match(x)]
     field = ".".join(loc) or None
     kind = first.get("type", "")
     if kind == "json_invalid":
         return f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})", None
+    if not raw_loc and kind != "missing":   # the body parsed, but as a list, a string, a number
+        return (f"the request body must be a JSON object, got {type(first.get('input')).__name__} "
+                f"{first.get('input')!r:.60}"), None
+    if len(loc) < len(raw_loc):   # a union (prompt: str | list[int]) none of whose members fit
+        members = dict.fromkeys(str(x) for e in errors for x in e.get("loc", ()) if _UNION_MEMBER.match(str(x)))
+        return f"field {field!r} must be one of: {', '.join(members)} (got {first.get('input')!r:.80})", field
     if kind == "extra_forbidden":
         return f"unknown field {field!r}: this server does not accept it", field
     if kind == "missing" and not loc:
@@ -152,7 +181,10 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None) -> FastAPI:
             return ids
         if not prompt:
             raise APIError("the prompt is empty: a request needs at least one token", param="prompt")
-        return list(prompt)
+        try:
+            return check_token_ids("prompt", prompt, llm.engine.config.vocab_size)
+        except ValueError as e:
+            raise APIError(str(e), param="prompt") from None
 
     def sampling_params(req, num_prompt_tokens: int, max_tokens: int | None) -> SamplingParams:
         """The request's SamplingParams, its length checked against the context (vLLM's message)."""
@@ -168,17 +200,23 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None) -> FastAPI:
                            f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the prompt, {max_tokens} "
                            f"in the completion): reduce the prompt or max_tokens", param="max_tokens",
                            code="context_length_exceeded")
-        kwargs = dict(max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos), n=req.n or 1, seed=req.seed)
+        n, max_num_seqs = req.n or 1, llm.engine.scheduler.max_num_seqs
+        if n > max_num_seqs:
+            raise APIError(f"n={n} completions cannot run at once: this server runs at most {max_num_seqs} "
+                           f"sequences (max_num_seqs); use n <= {max_num_seqs}", param="n")
+        kwargs = dict(max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos), n=n, seed=req.seed)
         if req.temperature is not None:
             kwargs["temperature"] = req.temperature
         if req.top_p is not None:
             kwargs["top_p"] = req.top_p
         try:
             return SamplingParams(**kwargs)
-        except (ValueError, TypeError) as e:
-            raise APIError(str(e)) from None
+        except (ValueError, TypeError) as e:   # its messages begin with the field's name
+            raise APIError(str(e), param=next((k for k in kwargs if str(e).startswith(k)), None)) from None
 
     async def start(req, ids: list[int], text: str | None, max_tokens: int | None, prefix: str) -> RequestState:
+        if req.stream_options is not None and not req.stream:
+            raise APIError("stream_options is allowed only with stream: true", param="stream_options")
         params = sampling_params(req, len(ids), max_tokens)
         stop = [req.stop] if isinstance(req.stop, str) else req.stop
         if stop is not None and (len(stop) > 4 or any(s == "" for s in stop)):
@@ -236,8 +274,8 @@ async def _respond(llm: AsyncLLM, state: RequestState, shape, raw: Request, req)
     """A whole JSON response, or a stream of server-sent events; either way a client that goes
     away aborts the request."""
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _EngineStream(llm, state, _sse(llm, state, shape, include_usage))
+        shape.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _EngineStream(llm, state, _sse(llm, state, shape))
     task = asyncio.ensure_future(_last_output(llm, state))
     gone = asyncio.ensure_future(_wait_for_disconnect(raw))
     try:
@@ -291,7 +329,7 @@ def _event(payload) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-async def _sse(llm: AsyncLLM, state: RequestState, shape, include_usage: bool):
+async def _sse(llm: AsyncLLM, state: RequestState, shape):
     last = None
     try:
         first = True
@@ -300,7 +338,7 @@ async def _sse(llm: AsyncLLM, state: RequestState, shape, include_usage: bool):
             for chunk in shape.chunks(out, first):
                 yield _event(chunk)
             first = False
-        if include_usage and last is not None:
+        if shape.include_usage and last is not None:
             yield _event(shape.usage_chunk(last))
     except Exception as e:   # the stream has begun: the error goes in it, as OpenAI sends one
         err = as_api_error(e)
@@ -326,6 +364,7 @@ class _CompletionShape:
         self.offsets: dict[int, int] = {}   # completion index -> text offset of its next token (streams)
         self.n = state.sampling_params.n
         self.completion_tokens = 0          # tokens streamed so far (a stream's chunks hold only deltas)
+        self.include_usage = False          # stream_options.include_usage: every chunk has "usage"
 
     def _token_text(self, token_id: int) -> str:
         if self.as_token_ids or self.tokenizer is None:
@@ -354,9 +393,13 @@ class _CompletionShape:
     def whole(self, out) -> dict:
         return {**self.head(), "choices": [self.choice(c) for c in out.outputs], "usage": usage(out)}
 
+    def chunk(self, head: dict, choices: list) -> dict:
+        """A stream's chunk; with include_usage its ``usage`` is null until the last (OpenAI's rule)."""
+        return {**head, "choices": choices, **({"usage": None} if self.include_usage else {})}
+
     def chunks(self, out, first: bool):
         self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
-        yield {**self.head(), "choices": [self.choice(c) for c in out.outputs]}
+        yield self.chunk(self.head(), [self.choice(c) for c in out.outputs])
 
     def stream_usage(self, out) -> dict:
         prompt = len(out.prompt_token_ids)
@@ -392,11 +435,11 @@ class _ChatShape(_CompletionShape):
         self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
         head = {**super().head(), "object": "chat.completion.chunk"}
         if first:   # OpenAI opens every choice with the role
-            yield {**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None} for j in range(self.n)]}
-        yield {**head, "choices": [{"index": c.index, "delta": {"content": c.text or ""},
-                                    "logprobs": self.logprobs(c), "finish_reason": c.finish_reason}
-                                   for c in out.outputs]}
+            yield self.chunk(head, [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None} for j in range(self.n)])
+        yield self.chunk(head, [{"index": c.index, "delta": {"content": c.text or ""},
+                                 "logprobs": self.logprobs(c), "finish_reason": c.finish_reason}
+                                for c in out.outputs])
 
     def usage_chunk(self, out) -> dict:
         return {**super().head(), "object": "chat.completion.chunk", "choices": [],

@@ -3,7 +3,11 @@
 Latency as a user sees it is measured at the client: ``run_load`` sends streaming completions
 at given arrival times (open loop: a request goes out at its time whether or not earlier ones
 have finished, as real users do) and records, per request, the time to the first token and the
-gaps between tokens, from the server-sent events as they arrive. Arrival patterns:
+gaps between tokens, from the server-sent events as they arrive. Times count from each request's
+*planned* arrival, not from the moment the client got round to sending it: a client that falls
+behind (one sharing a process or a CPU with the server) must not hide its own lateness. How late
+it sent is reported too (``send_lag``): when it grows, the client is part of what is measured.
+Arrival patterns:
 ``poisson_arrivals`` (independent users) and ``scaled_arrivals`` (a trace's own timestamps,
 e.g. the Azure trace's, stretched to a mean rate: real traffic is burstier than Poisson).
 """
@@ -41,7 +45,8 @@ class RequestResult:
 
     arrival: float                 # planned send time (seconds from the start of the run)
     status: int = 0                # HTTP status (0: no response)
-    ttft: float | None = None      # send -> first token
+    ttft: float | None = None      # planned arrival -> first token
+    send_lag: float | None = None  # planned arrival -> the request actually went out
     itls: list[float] = field(default_factory=list)   # gaps between later tokens
     num_tokens: int = 0
     text: str = ""
@@ -73,6 +78,10 @@ class LoadResult:
     def itl(self, q: float) -> float:
         return percentile([g for r in self.completed for g in r.itls], q)
 
+    def send_lag(self, q: float) -> float:
+        """How late the client sent (every request that went out), the ``q``-th percentile."""
+        return percentile([r.send_lag for r in self.results if r.send_lag is not None], q)
+
     def statuses(self) -> dict[int, int]:
         counts: dict[int, int] = {}
         for r in self.results:
@@ -92,8 +101,10 @@ def percentile(values, q: float) -> float:
 
 
 async def _one(http, body: dict, result: RequestResult, start: float) -> None:
-    await asyncio.sleep(max(0.0, start + result.arrival - time.perf_counter()))
-    sent = last = time.perf_counter()
+    planned = start + result.arrival
+    await asyncio.sleep(max(0.0, planned - time.perf_counter()))
+    last = time.perf_counter()
+    result.send_lag = last - planned
     try:
         async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             result.status = r.status_code
@@ -112,7 +123,7 @@ async def _one(http, body: dict, result: RequestResult, start: float) -> None:
                 result.text += choice["text"]
                 n = len(choice["logprobs"]["tokens"]) if choice.get("logprobs") else (1 if choice["text"] else 0)
                 if n and result.ttft is None:
-                    result.ttft = now - sent
+                    result.ttft = now - planned
                 elif n:
                     result.itls.append(now - last)
                 if n:

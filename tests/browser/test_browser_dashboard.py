@@ -77,3 +77,11 @@ def test_dashboard_draws_the_pool_and_follows_a_streaming_request(browser, serve
         assert not remote, f"the page reached outside the server: {remote}"
     finally:
         context.close()
+
+
+def test_the_dashboard_figure_script_takes_its_picture(browser, shots):
+    """``dashboard_figure.py`` (figures/serving_dashboard.png, shown by chapter 13) still works."""
+    from dashboard_figure import take
+
+    png = take(shots / "serving_dashboard.png", browser)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
