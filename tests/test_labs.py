@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -385,30 +386,53 @@ def test_misuse_of_the_registry_is_named():
 # ------------------------------------------------------------------ build first: the lab before the body
 
 #: Chapters built lab first: no cell before a lab's section shows the body the lab asks for.
-BUILD_FIRST_CHAPTERS = ("03", "06", "08", "09", "14")
+#: Every chapter with a lab (test_every_chapter_with_a_lab_is_built_first keeps it so).
+BUILD_FIRST_CHAPTERS = ("01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "14")
+
+
+def _given_helpers(lab) -> set[str]:
+    """Names the stub tells the student to call (``self._confirms_hit(...)``): tools the lab
+    hands out, not bodies it asks for -- the chapter may show them before the lab."""
+    import inspect
+
+    stub = lab.stub
+    source = inspect.getsource(getattr(stub, "fn", stub))
+    defined = set(re.findall(r"def (\w+)\(", source))
+    return {name for name in re.findall(r"(?<![\w.])(?:self\.)?(\w+)\(", source) if name not in defined}
 
 
 def _body_lines(lab) -> list[tuple[str, list[str]]]:
-    """Per function the lab asks for (each method of a class): its statements' lines, without
-    the docstring, comments and lines too short to tell one function from another."""
+    """Per function the lab asks for (each method of a class, a Triton kernel's Python function):
+    its statements' lines, without the docstring, comments, lines too short to tell one function
+    from another and lines found elsewhere in its module. Helpers the stub hands out
+    (``_given_helpers``) are left out."""
     import ast
     import inspect
 
     functions = []
     for obj in lab.solution:
         obj = getattr(obj, "fget", obj)
+        obj = getattr(obj, "fn", obj)                     # a @triton.jit kernel: its Python function
         members = vars(obj).values() if isinstance(obj, type) else [obj]
         functions += [getattr(m, "fget", m) for m in members if inspect.isfunction(getattr(m, "fget", m))]
+    given = _given_helpers(lab)
     units = []
     for fn in functions:
+        if fn.__name__ in given:
+            continue
         source = textwrap.dedent(inspect.getsource(fn))
         node = ast.parse(source).body[0]
         body = node.body
         if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
             body = body[1:]
         lines = source.splitlines()[body[0].lineno - 1:node.end_lineno] if body else []
-        lines = [line.strip() for line in lines if len(line.strip()) >= 12 and not line.strip().startswith("#")]
-        if len(lines) >= 2:
+        # A line found elsewhere in its module (a guard such as ``self._check_holder(seq)``, a
+        # field the constructor sets the same way) tells nothing about this function's body.
+        module_lines = Counter(line.strip() for line in inspect.getsource(inspect.getmodule(fn)).splitlines())
+        lines = [line.strip() for line in lines if len(line.strip()) >= 12 and not line.strip().startswith("#")
+                 and module_lines[line.strip()] == 1]
+        # Two lines, or one long enough to be the whole answer (a one-line formula).
+        if len(lines) >= 2 or (lines and len(lines[0]) >= 30):
             units.append((fn.__qualname__, lines))
     return units
 
@@ -428,24 +452,65 @@ def _revealed(cell, units) -> list[str]:
     return [name for name, lines in units if sum(line in text for line in lines) * 2 >= len(lines)]
 
 
-@pytest.mark.parametrize("chapter", BUILD_FIRST_CHAPTERS)
-def test_no_cell_before_a_lab_section_shows_the_body_the_lab_asks_for(chapter):
-    import nbformat
+def _is_lab(cell) -> bool:
+    return "lab" in cell.get("metadata", {}).get("tags", [])
 
-    [path] = (ROOT / "notebooks").glob(f"{chapter}_*.ipynb")
-    cells = nbformat.read(path, as_version=4).cells
+
+def _build_first_problems(cells, chapter: str) -> list[str]:
+    """What breaks "build first" in a chapter's cells: a cell before a lab's section that shows
+    the body the lab asks for, or a lab whose section is not followed at once by the package's
+    code (a heading may come between)."""
+    problems = []
     for lab in labs_of_chapter(int(chapter)):
         units = _body_lines(lab)
-        assert units, f"lab {lab.name}: no body to look for"
-        start = next(i for i, c in enumerate(cells) if c.get("id") == f"lab-{chapter}-{lab.name}-task".replace("_", "-"))
+        if not units:
+            problems.append(f"lab {lab.name}: no body to look for")
+            continue
+        task = f"lab-{chapter}-{lab.name}-task".replace("_", "-")
+        start = next((i for i, c in enumerate(cells) if c.get("id") == task), None)
+        if start is None:
+            problems.append(f"lab {lab.name}: no section (cell {task})")
+            continue
         if start and cells[start - 1].get("id") == f"lab-{chapter}-intro":
             start -= 1
         early = [(i, _revealed(c, units)) for i, c in enumerate(cells[:start])]
-        assert not [e for e in early if e[1]], f"lab {lab.name}: cells before its section show its body: {[e for e in early if e[1]]}"
-        end = start + 1 + next(i for i, c in enumerate(cells[start + 1:]) if "lab" not in c.metadata.get("tags", []))
-        after = [i for i, c in enumerate(cells[end:], end) if _revealed(c, units) and "lab" not in c.metadata.get("tags", [])]
-        assert after and after[0] == end + (cells[end].cell_type == "markdown"), \
-            f"lab {lab.name}: the package's code is not shown right after the lab (cells {after})"
+        if [e for e in early if e[1]]:
+            problems.append(f"lab {lab.name}: cells before its section show its body: {[e for e in early if e[1]]}")
+        end = start + 1 + next((i for i, c in enumerate(cells[start + 1:]) if not _is_lab(c)), len(cells))
+        after = [i for i, c in enumerate(cells[end:], end) if _revealed(c, units) and not _is_lab(c)]
+        if not (after and after[0] == end + (cells[end].cell_type == "markdown")):
+            problems.append(f"lab {lab.name}: the package's code is not shown right after the lab (cells {after})")
+    return problems
+
+
+def _chapter_cells(chapter: str):
+    import nbformat
+
+    [path] = (ROOT / "notebooks").glob(f"{chapter}_*.ipynb")
+    return nbformat.read(path, as_version=4).cells
+
+
+def test_every_chapter_with_a_lab_is_built_first():
+    assert sorted({f"{lab.chapter:02d}" for lab in LABS.values()}) == sorted(BUILD_FIRST_CHAPTERS)
+
+
+@pytest.mark.parametrize("chapter", BUILD_FIRST_CHAPTERS)
+def test_no_cell_before_a_lab_section_shows_the_body_the_lab_asks_for(chapter):
+    problems = _build_first_problems(_chapter_cells(chapter), chapter)
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("chapter", BUILD_FIRST_CHAPTERS)
+def test_the_structure_check_fails_when_a_body_is_shown_before_its_lab(chapter):
+    # The check must be able to fail: move the first cell that reveals each lab's body to the
+    # top of the chapter (the old order, solution first) and it names that lab.
+    cells = _chapter_cells(chapter)
+    for lab in labs_of_chapter(int(chapter)):
+        units = _body_lines(lab)
+        reveal = next(i for i, c in enumerate(cells) if not _is_lab(c) and _revealed(c, units))
+        moved = [cells[reveal]] + cells[:reveal] + cells[reveal + 1:]
+        problems = _build_first_problems(moved, chapter)
+        assert any(p.startswith(f"lab {lab.name}: cells before its section show its body") for p in problems), problems
 
 
 # ------------------------------------------------------------------ tools/add_lab_sections.py

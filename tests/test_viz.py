@@ -137,7 +137,7 @@ def test_every_recorded_snapshot_equals_the_state_right_after_its_call(ops, bloc
             expected.append(state(bm))
     assert len(rec.snapshots) == len(expected)
     for snap, real in zip(rec.snapshots, expected):
-        assert tuple(dataclasses.astuple(b) for b in snap.blocks) == real.blocks
+        assert tuple(dataclasses.astuple(b)[:4] for b in snap.blocks) == real.blocks
         assert snap.free_queue == real.free_queue and set(snap.used) == real.used
         assert tuple(sorted(snap.hash_index)) == real.hash_index
         # The text's free queue is the real one, head first, starring exactly the blocks the
@@ -149,6 +149,47 @@ def test_every_recorded_snapshot_equals_the_state_right_after_its_call(ops, bloc
         for b in snap.blocks:
             if b.ref_count or b.hash != -1:
                 assert rows[b.block_id] == (b.ref_count, snap.state(b.block_id))
+    # The last snapshot's held tokens: what each live sequence keeps in each block of its table.
+    if rec.snapshots:
+        last = rec.snapshots[-1]
+        for s in live.values():
+            for i, block_id in enumerate(s.block_table):
+                assert last.blocks[block_id].held_tokens == tuple(s.token_ids[i * block_size:(i + 1) * block_size])
+        held = {b for s in live.values() for b in s.block_table}
+        assert all(b.held_tokens == () for b in last.blocks if b.block_id not in held)
+
+
+def test_text_shows_the_tokens_of_unregistered_blocks_the_ones_copy_on_write_acts_on():
+    bm = BlockManager(8, BS)
+    a = seq([1, 2, 3, 4, 5, 6])
+    bm.allocate(a, 0)
+    # Nothing registered yet: both blocks show what A keeps in them, in parentheses.
+    assert text_rows_tokens(render_text(take_snapshot(bm, {"A": a}))) == {0: "(1 2 3 4)", 1: "(5 6)"}
+    a.num_cached_tokens = len(a)
+    bm.hash_blocks(a)
+    b = a.fork(1)
+    bm.fork(a, b)
+    text = render_text(take_snapshot(bm, {"A": a, "B": b}))
+    assert text_rows_tokens(text) == {0: "[1 2 3 4]", 1: "(5 6)"}        # block 1: shared, partial
+    assert "    1    2  shared        -  (5 6)" in text.splitlines()
+    a.append_token(70)                      # written into the shared block, before may_append:
+    assert text_rows_tokens(render_text(take_snapshot(bm)))[1] == "(5 6)"   # what both still hold
+    assert bm.may_append(a) == [(1, 2)]
+    # The copy holds A's three tokens, the original B's two; the holders are found unnamed too.
+    assert text_rows_tokens(render_text(take_snapshot(bm))) == {0: "[1 2 3 4]", 1: "(5 6)", 2: "(5 6 70)"}
+    bm.deallocate(a)
+    bm.deallocate(b)
+    assert text_rows_tokens(render_text(take_snapshot(bm))) == {0: "[1 2 3 4]"}   # free: nobody holds 1, 2
+
+
+def text_rows_tokens(text: str) -> dict[int, str]:
+    """block id -> the tokens column of render_text's table."""
+    rows = {}
+    for line in text.splitlines():
+        m = re.match(r"\s*(\d+)\s+\d+\s+(?:free|cached|exclusive|shared)\s+\S+\s+(.*)$", line)
+        if m:
+            rows[int(m[1])] = m[2]
+    return rows
 
 
 # ------------------------------------------------------------------ recorder
@@ -383,7 +424,7 @@ def test_make_figures_is_deterministic_and_makes_the_readme_picture():
 
 # ------------------------------------------------------------------ exercise checks
 
-from course_pkg.viz import check, check_function, same_answer, show_lines  # noqa: E402
+from course_pkg.viz import check, check_function, predict, same_answer, show_lines  # noqa: E402
 
 
 @pytest.mark.parametrize("answer, expected, tolerance", [
@@ -420,6 +461,26 @@ def test_an_unanswered_exercise_says_so(capsys):
     check_function(todo, lambda n: n, [1, 2])
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("Not answered yet") and out[1].startswith("Not answered yet")
+
+
+def test_predict_runs_the_experiment_only_after_a_prediction_and_is_type_strict(capsys):
+    runs = []
+
+    def experiment():
+        runs.append(1)
+        return (3, [1, 1, 0])
+
+    predict(..., experiment)
+    assert capsys.readouterr().out.startswith("Not answered yet") and runs == []
+    predict((3, [1, 1, 0]), experiment)
+    assert capsys.readouterr().out == "Correct: you predicted (3, [1, 1, 0]), the package gives (3, [1, 1, 0]).\n"
+    for wrong in ((3, [True, 1, 0]), [3, [1, 1, 0]], (3, [1, 1]), True):
+        predict(wrong, experiment, hint="count the sharers")
+        out = capsys.readouterr().out
+        assert out.startswith(f"Not quite: you predicted {wrong!r}") and out.endswith("Why: count the sharers\n")
+    predict(True, lambda: 1)
+    assert "(a bool; the answer is an int)" in capsys.readouterr().out
+    assert len(runs) == 5
 
 
 def test_check_function_reports_the_first_failing_case(capsys):

@@ -74,6 +74,12 @@ def _kind(value) -> str:
     return type(value).__name__
 
 
+def _a_kind(value) -> str:
+    """``"an int"``, ``"a list"``: the type's name with its article."""
+    kind = _kind(value)
+    return ("an " if kind[0] in "aeiou" else "a ") + kind
+
+
 def check(answer, expected, hint: str = "", *, tolerance: float | None = None) -> None:
     """Self-check for an exercise: prints whether ``answer`` is ``expected``.
 
@@ -87,10 +93,32 @@ def check(answer, expected, hint: str = "", *, tolerance: float | None = None) -
         print("Correct." if tolerance is None else f"Correct (within {tolerance:g}).")
         return
     if type(answer) is not type(expected) and not isinstance(expected, (list, tuple, dict, set)):
-        print(f"Not quite: got {answer!r}, a {_kind(answer)}; the answer is a {_kind(expected)}."
+        print(f"Not quite: got {answer!r}, {_a_kind(answer)}; the answer is {_a_kind(expected)}."
               + (f" Hint: {hint}" if hint else ""))
     else:
         print(f"Not quite: got {answer!r}." + (f" Hint: {hint}" if hint else ""))
+
+
+def predict(answer, experiment, hint: str = "", *, tolerance: float | None = None) -> None:
+    """Self-check for a predict-then-verify exercise: ``answer`` is the reader's prediction,
+    ``experiment`` a function that runs the package and returns what really happens.
+
+    The experiment runs only once there is a prediction (``answer`` is no longer ``...``), so
+    the measured value is never on the page before the reader has committed to one; then both
+    are printed. The comparison is ``same_answer``'s (type-strict: ``True`` is not ``1``).
+    """
+    if answer is ...:
+        print("Not answered yet: write your prediction in place of ... and run the cell again "
+              "(the experiment runs then).")
+        return
+    measured = experiment()
+    if same_answer(answer, measured, tolerance):
+        print(f"Correct: you predicted {answer!r}, the package gives {measured!r}.")
+        return
+    kind = (f" ({_a_kind(answer)}; the answer is {_a_kind(measured)})"
+            if type(answer) is not type(measured) else "")
+    print(f"Not quite: you predicted {answer!r}{kind}; the package gives {measured!r}."
+          + (f" Why: {hint}" if hint else ""))
 
 
 def check_function(fn, reference, cases, hint: str = "", *, tolerance: float | None = None) -> None:

@@ -3,6 +3,13 @@
 A snapshot copies everything the reader needs to see after a call -- per block its id, ref
 count, hash and tokens; the free queue in order; the used set; the hash index; each live
 sequence's block table -- so later calls cannot change a picture already taken.
+
+A block's tokens are known two ways. A *registered* block carries them itself
+(``Block.token_ids``, set by ``hash_blocks``). Any other held block -- a partly filled last
+block, a prompt block not computed yet, the shared partial block that copy-on-write acts on --
+carries none, so the snapshot takes them from the sequences that hold it (their block tables,
+the manager's holders and the named sequences): ``BlockState.held_tokens``. The text shows the
+first as ``[1 2 3]`` and the second as ``(5 6)``.
 """
 from __future__ import annotations
 
@@ -19,7 +26,8 @@ class BlockState:
     block_id: int
     ref_count: int
     hash: int
-    token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]                   # registered content (empty: not registered)
+    held_tokens: tuple[int, ...] = ()            # the tokens its holders keep in it (see above)
 
 
 @dataclass(frozen=True)
@@ -68,15 +76,38 @@ def take_snapshot(block_manager: BlockManager,
     Sequences that hold no blocks are left out of the block tables.
     """
     bm = block_manager
+    named = _named(seqs)
+    held = _held_tokens(bm, [seq for _, seq in named])
     return Snapshot(
         label=label,
         block_size=bm.block_size,
-        blocks=tuple(BlockState(b.block_id, b.ref_count, b.hash, tuple(b.token_ids)) for b in bm.blocks),
+        blocks=tuple(BlockState(b.block_id, b.ref_count, b.hash, tuple(b.token_ids),
+                                held.get(b.block_id, ()) if b.ref_count else ())
+                     for b in bm.blocks),
         free_queue=tuple(bm.free_block_ids),
         used=tuple(sorted(bm.used_block_ids)),
         hash_index=tuple(sorted(((h, b) for h, b in bm.hash_to_block_id.items()), key=lambda x: (x[1], x[0]))),
-        block_tables=tuple((name, tuple(seq.block_table)) for name, seq in _named(seqs) if seq.block_table),
+        block_tables=tuple((name, tuple(seq.block_table)) for name, seq in named if seq.block_table),
     )
+
+
+def _held_tokens(bm: BlockManager, named: list[Sequence]) -> dict[int, tuple[int, ...]]:
+    """block id -> the tokens its holders keep in it: logical block ``i`` of a sequence is
+    ``token_ids[i * block_size:(i + 1) * block_size]``. Holders that disagree (a sequence that
+    has appended a token to a shared block and not yet called ``may_append``) share the
+    common prefix, which is what the block holds for all of them."""
+    holders = {id(seq): seq for seq in [*getattr(bm, "_holders", {}).values(), *named]}
+    held: dict[int, tuple[int, ...]] = {}
+    bs = bm.block_size
+    for seq in holders.values():
+        for i, block_id in enumerate(seq.block_table):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            if block_id in held:
+                common = held[block_id]
+                n = next((k for k, (a, b) in enumerate(zip(common, tokens)) if a != b), min(len(common), len(tokens)))
+                tokens = common[:n]
+            held[block_id] = tokens
+    return held
 
 
 def short_hash(h: int) -> str:
@@ -84,11 +115,13 @@ def short_hash(h: int) -> str:
     return "-" if h == -1 else f"{h & 0xFFFF:04x}"
 
 
-def _tokens(token_ids: tuple[int, ...], limit: int = 8) -> str:
+def _tokens(b: BlockState, limit: int = 8) -> str:
+    """``[..]``: the registered tokens; ``(..)``: the tokens the block's holders keep in it."""
+    token_ids, (left, right) = (b.token_ids, "[]") if b.token_ids else (b.held_tokens, "()")
     if not token_ids:
         return "-"
     shown = " ".join(map(str, token_ids[:limit]))
-    return f"[{shown}{' ...' if len(token_ids) > limit else ''}]"
+    return f"{left}{shown}{' ...' if len(token_ids) > limit else ''}{right}"
 
 
 def render_text(snap: Snapshot, max_rows: int = 64) -> str:
@@ -96,11 +129,11 @@ def render_text(snap: Snapshot, max_rows: int = 64) -> str:
     lines = []
     if snap.label:
         lines.append(f"== {snap.label}")
-    lines.append("block  ref  state      hash  tokens")
+    lines.append("block  ref  state      hash  tokens ([..] registered, (..) held, not registered)")
     rows = [b for b in snap.blocks if b.ref_count or b.hash != -1]
     for b in rows[:max_rows]:
         lines.append(f"{b.block_id:5d}  {b.ref_count:3d}  {snap.state(b.block_id):9s}  "
-                     f"{short_hash(b.hash):>4s}  {_tokens(b.token_ids)}")
+                     f"{short_hash(b.hash):>4s}  {_tokens(b)}")
     if len(rows) > max_rows:
         lines.append(f"  ... {len(rows) - max_rows} more")
     untouched = snap.num_blocks - len(rows)
