@@ -580,7 +580,7 @@ class BlockManager:
         the next step (``num_cached_tokens`` does not count them).
         """
         self._check_holder(seq)
-        keep = -(-seq.num_cached_tokens // self.block_size)
+        keep = self._num_verified_blocks(seq)
         extra = seq.block_table[keep:]
         if not extra:
             return []
@@ -595,6 +595,10 @@ class BlockManager:
             self._release_to_head(block)
         del seq.block_table[keep:]
         return extra
+
+    def _num_verified_blocks(self, seq: Sequence) -> int:
+        """The blocks the rollback keeps: those holding positions ``0 .. num_cached_tokens - 1``."""
+        return -(-seq.num_cached_tokens // self.block_size)
 
     def _release_to_head(self, block: Block) -> None:
         self.used_block_ids.remove(block.block_id)

@@ -123,7 +123,10 @@ class SchedulerOutput:
     Speculative decoding (chapter 14): ``num_lookahead_tokens[i]`` slots after a decoding
     sequence's last token are allocated for drafts, and counted in its ``num_scheduled_tokens``
     (empty when the scheduler does not speculate). The model runner proposes at most that many
-    drafts, verifies them, and returns the accepted ones plus one token of the target's.
+    drafts, verifies them, and returns the accepted ones plus one token of the target's. A
+    proposer that needs no model (n-gram) is run by the scheduler before the slots are taken:
+    ``scheduled_spec_decode_tokens[i]`` are then the drafts to verify (vLLM's name), exactly
+    one per lookahead slot.
 
     The value is frozen; the sequences in it are the live objects, whose tokens and block
     tables the model runner reads -- nothing changes them between ``schedule`` and
@@ -142,6 +145,7 @@ class SchedulerOutput:
     blocks_to_swap_in: tuple[tuple[int, int], ...] = ()
     registered_blocks: tuple[int, ...] = ()
     num_lookahead_tokens: tuple[int, ...] = ()
+    scheduled_spec_decode_tokens: tuple[tuple[int, ...], ...] = ()
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -166,6 +170,7 @@ class StepPlan:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     registered_blocks: list[int] = field(default_factory=list)
     lookahead: dict[int, int] = field(default_factory=dict)   # id(seq) -> its lookahead slots
+    spec_tokens: dict[int, list[int]] = field(default_factory=dict)   # id(seq) -> drafts proposed here
 
 
 class Scheduler:
@@ -229,6 +234,9 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.stats = SchedulerStats()
         self.num_lookahead_tokens = num_lookahead_tokens
+        # A torch-free proposer (NgramProposer) the scheduler runs itself, so that it takes
+        # slots only for drafts that exist; None: the model runner proposes into the slots.
+        self.proposer = None
         self.spec_decoding_stats = SpecDecodingStats(num_lookahead_tokens)
         self.same_step_prefix_hits = same_step_prefix_hits
         self.cpu_pool: CpuBlockPool | None = self.preemption.make_cpu_pool()
@@ -376,7 +384,9 @@ class Scheduler:
                 blocks_to_swap_out=tuple(plan.blocks_to_swap_out), blocks_to_copy=tuple(plan.blocks_to_copy),
                 blocks_to_swap_in=tuple(plan.blocks_to_swap_in), registered_blocks=tuple(plan.registered_blocks),
                 num_lookahead_tokens=tuple(plan.lookahead.get(id(s), 0) for s in plan.seqs)
-                if self.num_lookahead_tokens else ())
+                if self.num_lookahead_tokens else (),
+                scheduled_spec_decode_tokens=tuple(tuple(plan.spec_tokens.get(id(s), ())) for s in plan.seqs)
+                if self.proposer is not None else ())
         except BaseException:
             self._close(rollback=True)
             raise
@@ -459,6 +469,12 @@ class Scheduler:
         step yields at most one token more than its drafts). A sequence that cannot get a block
         for all of them gets fewer: a draft that has no slot is not proposed. The slots of
         rejected drafts are given back in ``update_from_output``.
+
+        With a torch-free ``proposer`` (n-gram) the drafts are proposed first, from the tokens
+        the last step left, and slots are taken for exactly those drafts: a sequence whose
+        n-gram has no earlier occurrence takes no block at all (vLLM, too, knows the n-gram
+        drafts before it schedules them). The early-exit draft runs in the model runner, so
+        its slots are taken for ``num_lookahead_tokens`` drafts before any is proposed.
         """
         bm = self.block_manager
         budget = self.max_num_batched_tokens - sum(s.num_scheduled_tokens for s in plan.seqs)
@@ -472,9 +488,16 @@ class Scheduler:
             wanted = min(self.num_lookahead_tokens, final_len - seq.num_tokens - 1, budget - total)
             if wanted <= 0:
                 continue
+            if self.proposer is not None:
+                drafts = self.proposer.propose(seq.token_ids, wanted)
+                wanted = len(drafts)
+                if not wanted:
+                    continue
             granted = bm.allocate_lookahead_slots(seq, wanted)
             if granted:
                 plan.lookahead[id(seq)] = granted
+                if self.proposer is not None:
+                    plan.spec_tokens[id(seq)] = drafts[:granted]
                 seq.num_scheduled_tokens += granted   # (undone with the step's other counts)
                 total += granted
         return total

@@ -4,11 +4,14 @@
   greedy output token for token -- under prefix caching, chunked prefill, preemption by
   recompute and by swap, both admission policies, block sizes 1 and 4 -- on the shipped tiny
   model and on a random one.
-* The block state after every step equals the state of a non-speculative block manager that
-  computed the accepted tokens: the same tables (nothing kept past the last verified token), ref
-  counts, registered hashes and free-block count, up to the renaming of block ids (in a pool
-  large enough that lookahead takes never-used blocks: taking a freed block that still caches a
-  prefix drops its entry, as any allocation does).
+* Under the same engine options, after every step no table keeps a rolled-back tail and no
+  block holding an unverified token is registered; after every decode-only step the block state
+  equals the state of a non-speculative block manager that computed the accepted tokens: the
+  same tables, ref counts, registered hashes and free-block count, up to the renaming of block
+  ids, and the same cached prefixes in free blocks but those lookahead took (taking a freed
+  block that still caches a prefix drops its entry, as any allocation does).
+* A seeded request with n-gram drafts yields the tokens it yields without speculation, in any
+  batch and pool; n-gram drafts are proposed before their slots are taken.
 * Sampling: rejection sampling's outputs follow the target's distribution (a chi-square test
   on a small vocabulary, seeded), and the same test rejects a broken rule; in the engine, on a
   random model of 8 tokens, sampled outputs follow the probabilities Hugging Face computes.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import random
+from collections import Counter
 from dataclasses import astuple
 from pathlib import Path
 
@@ -26,6 +30,7 @@ import pytest
 import torch
 
 from course_pkg import LLM, BlockManager, SamplingParams, Sequence
+from course_pkg.sequence import SequenceStatus
 from course_pkg.engine import EngineConfig
 from course_pkg.engine import spec_decode
 from course_pkg.engine.spec_decode import NgramProposer, SpeculativeConfig, greedy_accept, rejection_sample
@@ -206,34 +211,68 @@ def non_speculative(bm_before: BlockManager, seqs_before, after_seqs, finished_i
     return canonical(bm_before, [s for s in seqs_before if s.seq_id not in finished_ids])
 
 
+def free_cached_hashes(bm) -> Counter:
+    return Counter(bm.blocks[b].hash for b in bm.free_block_ids if bm.blocks[b].hash != -1)
+
+
 @pytest.mark.parametrize("method", list(METHODS))
-def test_after_every_step_the_blocks_are_those_of_a_non_speculative_engine(method):
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c != "bs1-no-caching"])
+def test_after_every_step_the_blocks_are_those_of_a_non_speculative_engine(config, method):
+    """Under every engine option (prefix caching, chunked prefill with same-step hits, preemption
+    by recompute and by swap, both policies): after every step no table keeps a rolled-back
+    tail, no block holding a rejected token is registered, ref counts and the free queue agree;
+    and after every step that only decodes (nothing waits, nobody is preempted) the block state
+    is that of a non-speculative block manager that computed the accepted tokens -- except the
+    cached prefixes of free blocks that lookahead took (and evicted, as any allocation does)."""
     prompts = text_prompts()
-    llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=256, speculative_config=METHODS[method])
+    llm = LLM(MODEL, **CPU, **CONFIGS[config], speculative_config=METHODS[method])
     bm, sched = llm.block_manager, llm.scheduler
-    freed = []
-    real_free = bm.free_lookahead_slots
+    bs = bm.block_size
+    freed, evicted = [], Counter()
+    real_free, real_take = bm.free_lookahead_slots, bm.allocate_lookahead_slots
     bm.free_lookahead_slots = lambda seq: freed.extend(real_free(seq)) or []
+
+    def take(seq, n):
+        cached = {b: bm.blocks[b].hash for b in bm.free_block_ids if bm.blocks[b].hash != -1}
+        got = real_take(seq, n)
+        evicted.update(h for b, h in cached.items() if b in seq.block_table)
+        return got
+
+    bm.allocate_lookahead_slots = take
     for p, sp in zip(prompts, params_for(prompts)):
         llm.add_request(p, sp)
-    compared = 0
+    compared = checked = 0
     while llm.has_unfinished_requests():
         live = list(sched.running)
-        if sched.waiting or not live:          # a prefill step: nothing speculates
-            llm.step()
-            continue
-        ref_bm, ref_seqs = copy.deepcopy((bm, live))
+        decode_only = bool(live) and not sched.waiting
+        ref_bm, ref_seqs = copy.deepcopy((bm, live)) if decode_only else (None, None)
+        preemptions = llm.get_metrics().num_preemptions
+        evicted.clear()
         llm.step()
-        info = llm.last_step
+        running = list(sched.running)
+        for s in running:
+            if s.num_cached_tokens == s.num_tokens - 1:      # decoding: nothing past its last verified token
+                assert len(s.block_table) == -(-s.num_cached_tokens // bs), f"{s.seq_id} kept a rolled-back tail"
+            assert len(s.block_hashes) * bs <= s.num_cached_tokens, "a block with an unverified token is registered"
+        # Every holder of device blocks: the running, and waiting ones a chunked prefill started
+        # (a swapped sequence holds CPU blocks only).
+        holders = running + [s for s in sched.waiting if s.status != SequenceStatus.SWAPPED and s.block_table]
+        assert set(bm.free_block_ids) == set(range(bm.num_blocks)) - bm.used_block_ids
+        assert sum(b.ref_count for b in bm.blocks) == sum(len(s.block_table) for s in holders)
+        checked += 1
+        if not decode_only or llm.get_metrics().num_preemptions != preemptions:
+            continue
         finished = {s.seq_id for s in live if s.is_finished}
         still = [s for s in live if not s.is_finished]
-        assert all(len(s.block_table) == -(-s.num_cached_tokens // 4) for s in still), \
-            "a table kept its rolled-back tail"
-        assert canonical(bm, still) == non_speculative(ref_bm, ref_seqs, live, finished), f"step {info.step}"
-        assert set(bm.free_block_ids) == set(range(bm.num_blocks)) - bm.used_block_ids
-        assert sum(b.ref_count for b in bm.blocks) == sum(len(s.block_table) for s in still)
+        tables, refs, index, num_free, _ = canonical(bm, still)
+        want_tables, want_refs, want_index, want_free, want_cached = non_speculative(ref_bm, ref_seqs, live, finished)
+        assert (tables, refs, index, num_free) == (want_tables, want_refs, want_index, want_free), \
+            f"step {llm.last_step.step}"
+        lost = Counter(want_cached) - free_cached_hashes(bm)
+        assert not free_cached_hashes(bm) - Counter(want_cached) and not lost - evicted, f"step {llm.last_step.step}"
         compared += 1
-    assert compared > 5 and freed, "some rollback gave a block back"
+    assert compared > 5 and checked > compared and freed, "decode steps compared; some rollback gave a block back"
+    assert ("preempt" not in config) or llm.get_metrics().num_preemptions > 0
     check_invariants(bm, [])
 
 
@@ -269,19 +308,21 @@ def test_lookahead_slots_take_free_blocks_only_and_give_back_to_the_head():
 
 def test_a_draft_that_cannot_get_a_block_is_not_proposed():
     """A pool too small for both requests at their longest: lookahead gets fewer slots than asked
-    for, preempts nobody (the same preemptions as without speculation), and the output is unchanged."""
+    for, preempts nobody (no more preemptions than without speculation), and the output is unchanged.
+    (The early-exit draft asks for k slots before it proposes; n-gram asks only for its drafts.)"""
     prompts = [text_prompts()[i] for i in (0, 3)]    # 13 + 6 blocks of 4 at their longest; the pool has 18
     sp = SamplingParams(max_tokens=12, **GREEDY)
     base = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=18)
     want = [o.token_ids for o in base.generate(prompts, sp, use_tqdm=False)]
     llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=18,
-              speculative_config=dict(NGRAM, num_speculative_tokens=8))
+              speculative_config=dict(DRAFT, num_speculative_tokens=8))
     granted = []
     real = llm.block_manager.allocate_lookahead_slots
     llm.block_manager.allocate_lookahead_slots = lambda s, n: granted.append((n, real(s, n))) or granted[-1][1]
     assert [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == want
     assert any(got < asked for asked, got in granted), "the pool ran short of lookahead blocks"
-    assert llm.get_metrics().num_preemptions == base.get_metrics().num_preemptions
+    # Lookahead never preempts (fewer steps may even need fewer preemptions than without it).
+    assert llm.get_metrics().num_preemptions <= base.get_metrics().num_preemptions
     check_invariants(llm.block_manager, [])
 
 
@@ -383,6 +424,67 @@ def test_sampled_speculation_is_reproducible_and_leaves_the_prefill_token_alone(
         assert runs[0] == runs[1]
         assert [r[0] for r in runs[0]] == [r[0] for r in plain]
         assert all(len(r) == 12 for r in runs[0])
+
+
+def test_a_seeded_request_with_ngram_drafts_yields_its_tokens_without_speculation_in_any_batch():
+    """A seeded request draws one Exp(1) vector per token whether or not it speculates (a certain
+    draft is accepted when it is the target's own sample), so its tokens are those of a plain
+    engine run alone: with other requests, in pools so small that the slots it gets (and the
+    preemptions) vary, by recompute and by swap. (The early-exit draft's sampled drafts draw
+    from the request's generator too: its tokens depend on the drafts it got; see the sampler.)"""
+    prompts = text_prompts()[:3]
+    seeded = SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True, seed=3)
+    other = SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True, seed=5)
+    alone = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=200).generate(
+        prompts[:1], seeded, use_tqdm=False)[0].token_ids
+    seen = set()
+    for blocks, mode in ((200, "recompute"), (30, "recompute"), (30, "swap")):
+        extra = dict(preemption_mode="swap", num_cpu_blocks=100) if mode == "swap" else {}
+        llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=blocks, **extra,
+                  speculative_config=dict(NGRAM, num_speculative_tokens=4))
+        outs = llm.generate(prompts, [seeded, other, other], use_tqdm=False)
+        assert outs[0].token_ids == alone, (blocks, mode)
+        m = llm.get_metrics()
+        assert m.spec_decode_num_accepted_tokens > 0
+        seen.add((m.num_preemptions > 0, m.spec_decode_num_draft_tokens))
+    assert len(seen) == 3 and any(p for p, _ in seen), "the runs differ in drafts and preemptions"
+
+
+def test_ngram_drafts_are_proposed_before_their_slots_are_taken():
+    """The scheduler runs the n-gram proposer first: every lookahead slot carries a draft, and a
+    sequence whose n-gram has no earlier occurrence takes no lookahead block."""
+    llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=128, speculative_config=NGRAM)
+    steps = []
+    real = llm.model_runner.execute_model
+
+    def spy(out, *args, **kwargs):
+        result = real(out, *args, **kwargs)
+        steps.append((out, result))
+        return result
+
+    llm.model_runner.execute_model = spy
+    llm.generate(text_prompts(), params_for(text_prompts()), use_tqdm=False)
+    slots = drafted = undrafted = 0
+    for out, result in steps:
+        if not out.num_lookahead_tokens:
+            continue
+        for i, n in enumerate(out.num_lookahead_tokens):
+            assert n == len(out.scheduled_spec_decode_tokens[i])
+            if n:
+                assert len(result.draft_token_ids[i]) == n
+            slots += n
+            drafted += n > 0
+            undrafted += n == 0 and out.num_scheduled_tokens[i] == 1
+    assert slots and drafted and undrafted
+
+
+def test_a_rejected_draft_whose_residual_rounds_to_zero_falls_back_to_the_target():
+    """max(0, p - q) can be all zero in float32 (p <= q everywhere after rounding); the token then
+    comes from p, never the rejected draft by default (argmax of zeros is token 0)."""
+    p = torch.tensor([[0.0, 1.0], [0.5, 0.5]])
+    q = torch.tensor([[0.5, 1.0]])               # q >= p everywhere: the residual is all zero
+    for seed in range(20):
+        assert rejection_sample([0], q, p, torch.Generator().manual_seed(seed)) == [1]
 
 
 def test_sampled_speculation_in_the_engine_follows_the_models_distribution(tmp_path_factory):
@@ -553,7 +655,7 @@ def run_with_faults(llm, prompts, checks):
 @pytest.mark.parametrize("config", list(FAULT_CONFIGS))
 def test_a_fault_in_the_draft_the_verification_or_the_rollback_undoes_the_step(config):
     spec, engine = FAULT_CONFIGS[config]
-    prompts = text_prompts()[:4]
+    prompts = [text_prompts()[i] for i in (1, 2, 3, 0)]   # the sampled ones repeat: their drafts are verified
     expected = run_with_faults(LLM(MODEL, **CPU, **engine, speculative_config=spec), prompts, [])
     llm = LLM(MODEL, **CPU, **engine, speculative_config=spec)
     fired = set()

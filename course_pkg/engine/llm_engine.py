@@ -99,6 +99,8 @@ class LLMEngine:
             num_lookahead_tokens=spec.num_speculative_tokens if spec is not None else 0)
         if spec is not None:
             self.model_runner.proposer = make_proposer(spec)
+            if spec.method == "ngram":   # torch-free: the scheduler proposes before it takes slots
+                self.scheduler.proposer = self.model_runner.proposer
         self.block_size = cfg.block_size
         self.num_steps = 0
         self.last_step: StepInfo | None = None

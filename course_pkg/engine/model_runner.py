@@ -216,7 +216,8 @@ class ModelRunner:
         from course_pkg.engine.sampler import GREEDY_BELOW
 
         seqs = list(out.seqs)
-        drafts, draft_probs = self.propose(seqs, list(out.num_lookahead_tokens), undo_log)
+        drafts, draft_probs = self.propose(seqs, list(out.num_lookahead_tokens), undo_log,
+                                           out.scheduled_spec_decode_tokens)
         logits, sample_seqs = self._forward(seqs, drafts)
         logits = logits.float() if logits is not None else None
         rows, row = {}, 0
@@ -249,13 +250,17 @@ class ModelRunner:
         return ModelRunnerOutput(sampled_token_ids=[t for t, _ in results], logprobs=[lp for _, lp in results],
                                  draft_token_ids=[list(drafts.get(id(seq), ())) for seq in seqs])
 
-    def propose(self, seqs: list[Sequence], num_lookahead_tokens: list[int], undo_log=None):
+    def propose(self, seqs: list[Sequence], num_lookahead_tokens: list[int], undo_log=None,
+                scheduled_spec_decode_tokens=()):
         """The drafts of this step: ``({id(seq): drafts}, {id(seq): q rows})`` for the sequences
         with lookahead slots, at most that many drafts each (``q``: the draft distributions of an
-        early-exit draft that sampled; absent for greedy and n-gram drafts)."""
+        early-exit draft that sampled; absent for greedy and n-gram drafts). Drafts the
+        scheduler proposed already (``scheduled_spec_decode_tokens``, n-gram) are those."""
         from course_pkg.engine.spec_decode import NgramProposer
 
         spec = [(s, n) for s, n in zip(seqs, num_lookahead_tokens) if n]
+        if scheduled_spec_decode_tokens:
+            return {id(s): list(d) for s, d in zip(seqs, scheduled_spec_decode_tokens) if d}, {}
         if isinstance(self.proposer, NgramProposer):
             return {id(s): self.proposer.propose(s.token_ids, n) for s, n in spec}, {}
         if self.proposer is None:

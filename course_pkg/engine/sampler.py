@@ -10,9 +10,16 @@
   needs neither normalisation nor ``multinomial``, and runs for a whole batch at once.
 
 Randomness is seeded: the engine's generator (``seed``) serves every request, and a request
-with ``SamplingParams(seed=...)`` gets a generator of its own, so its tokens do not depend on
-which other requests share its batches. A step's draws are undoable: with the step's undo log
-given, each generator's state is recorded before it draws (a redone step draws the same).
+with ``SamplingParams(seed=...)`` gets a generator of its own, which draws one ``Exp(1)``
+vector per token, so its tokens do not depend on which other requests share its batches. With
+speculative decoding (chapter 14) that stays true for n-gram drafts, whose verification draws
+one vector per token it yields, as here. It is *not* true for the early-exit draft when the
+request samples: drafting samples from the same generator, and rejection sampling draws a
+uniform per verified draft, so the draws -- hence the tokens, though not their distribution --
+depend on how many lookahead slots the request got at each step, which depends on the pool
+and the token budget, so on the other requests. Two runs with the same requests are the same.
+A step's draws are undoable: with the step's undo log given, each generator's state is recorded
+before it draws (a redone step draws the same).
 
 ``temperature`` below ``GREEDY_BELOW`` (1e-5, vLLM's sampling epsilon) is served as greedy:
 dividing float32 logits by such a temperature overflows, and the arg-max is what it means.

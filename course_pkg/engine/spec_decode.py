@@ -190,29 +190,46 @@ def rejection_sample(draft_token_ids: list[int], draft_probs: torch.Tensor | Non
     ``x`` is accepted with probability ``min(1, p(x) / q(x))``; the first rejected one is replaced
     by a sample of the residual ``max(0, p - q)`` renormalised; with every draft accepted, a
     bonus token is drawn from the last row of ``p``. (Leviathan et al. 2023, Algorithm 1.)
+
+    With a certain draft (``draft_probs`` None) the rule is run in an equivalent form: the
+    target's token is sampled at each position, as plain decoding samples it (one draw of
+    ``generator`` per token the step yields), and the draft is accepted when it is that token.
+    It is accepted with probability ``p(x)``, and otherwise the token is ``p`` given that it is
+    not ``x`` -- the residual ``max(0, p - q)`` renormalised, as Algorithm 1 asks. So a seeded
+    request draws exactly what it draws without speculation and yields the same tokens, however
+    many drafts it was given. With a sampled draft the draws do depend on the drafts (a ``u`` per
+    verified draft, and the draft's own samples): same distribution, different tokens.
     """
     k = len(draft_token_ids)
     if target_probs.shape[0] != k + 1:
         raise ValueError(f"{k} drafts need {k + 1} rows of target probabilities, got {target_probs.shape[0]}")
     device = target_probs.device
-    if draft_probs is None:
-        draft_probs = torch.zeros(k, target_probs.shape[1], device=device)
-        if k:
-            draft_probs[torch.arange(k, device=device), torch.tensor(draft_token_ids, device=device)] = 1.0
     out = []
+    if draft_probs is None:    # a certain draft: accepted iff it is the target's own sample
+        for i, x in enumerate(draft_token_ids):
+            y = _sample(target_probs[i], generator)
+            out.append(y)
+            if y != x:
+                return out
+        out.append(_sample(target_probs[k], generator))
+        return out
     for i, x in enumerate(draft_token_ids):
         p, q = target_probs[i], draft_probs[i]
         u = torch.rand((), generator=generator, device=device)
         if u * q[x] < p[x]:        # u < p(x) / q(x), without dividing (q(x) > 0: x was drawn from q)
             out.append(x)
             continue
-        out.append(_sample(torch.clamp(p - q, min=0.0), generator))
+        residual = torch.clamp(p - q, min=0.0)
+        if not residual.sum() > 0:   # p and q equal up to float32 rounding: nothing left over, sample p
+            residual = p
+        out.append(_sample(residual, generator))
         return out
     out.append(_sample(target_probs[k], generator))
     return out
 
 
 def _sample(weights: torch.Tensor, generator: torch.Generator | None) -> int:
-    """A token drawn with probability proportional to ``weights`` (the sampler's exponential race)."""
+    """A token drawn with probability proportional to ``weights`` (the sampler's exponential race:
+    one ``Exp(1)`` draw per token id, as ``Sampler`` draws for a plain decode)."""
     noise = torch.empty_like(weights).exponential_(generator=generator).clamp_min_(1e-30)
     return int((weights / noise).argmax())

@@ -654,25 +654,11 @@ class NoTouchRadixCache(RadixCache):
 
 # ---------------------------------------------------------------- chapter 14: the rollback
 
-def _give_back(bm: BlockManager, seq: Sequence, keep: int, *, to_head: bool = True) -> list[int]:
-    extra = seq.block_table[keep:]
-    for block_id in reversed(extra):
-        block = bm.blocks[block_id]
-        block.ref_count = 0
-        bm.used_block_ids.remove(block_id)
-        if to_head:
-            bm.free_block_ids.appendleft(block_id)
-        else:
-            bm.free_block_ids.append(block_id)
-    del seq.block_table[keep:]
-    return extra
-
-
 class FloorKeepRollbackBlockManager(BlockManager):
     """Keeps only the blocks *full* of verified tokens: frees a block still holding accepted ones."""
 
-    def free_lookahead_slots(self, seq: Sequence) -> list[int]:
-        return _give_back(self, seq, seq.num_cached_tokens // self.block_size)
+    def _num_verified_blocks(self, seq: Sequence) -> int:
+        return seq.num_cached_tokens // self.block_size
 
 
 class RegistersRejectedRollbackBlockManager(BlockManager):
@@ -688,14 +674,12 @@ class RegistersRejectedRollbackBlockManager(BlockManager):
 class LastBlockOnlyRollbackBlockManager(BlockManager):
     """Gives back only the last lookahead block: an earlier one left without a verified token stays held."""
 
-    def free_lookahead_slots(self, seq: Sequence) -> list[int]:
-        keep = -(-seq.num_cached_tokens // self.block_size)
-        return _give_back(self, seq, max(keep, len(seq.block_table) - 1))
+    def _num_verified_blocks(self, seq: Sequence) -> int:
+        return max(super()._num_verified_blocks(seq), len(seq.block_table) - 1)
 
 
 class TailReleaseRollbackBlockManager(BlockManager):
     """Gives the blocks back to the *tail* of the free queue, behind cached prefixes it then evicts sooner."""
 
-    def free_lookahead_slots(self, seq: Sequence) -> list[int]:
-        extra = _give_back(self, seq, -(-seq.num_cached_tokens // self.block_size), to_head=False)
-        return extra
+    def _release_to_head(self, block: Block) -> None:
+        self._deallocate_block(block)   # (the tail, as a finished request's blocks go)
