@@ -24,3 +24,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    """The shipped tiny model in Hugging Face transformers, the oracle; float32 on the CPU, and no
+    end-of-sequence token, so that generations have the lengths asked for (compare with ignore_eos)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from course_pkg.models import default_model_path
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(str(default_model_path()), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model

@@ -21,6 +21,7 @@ from course_pkg.block_manager import salt_hash
 from course_pkg.models import default_model_path
 from course_pkg.sampling_params import BeamSearchParams
 from tests.helpers import admit, check_invariants
+from tests.test_engine import hf_greedy
 
 MODEL = default_model_path()
 CPU = dict(device="cpu", dtype=torch.float32, attention_backend="torch")
@@ -157,24 +158,6 @@ def test_a_bad_salt_is_refused_by_the_sequence(salt):
 @pytest.fixture(scope="module")
 def llm():
     return LLM(MODEL, block_size=BS, num_kvcache_blocks=64, **CPU)
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                max_new_tokens=max_new_tokens, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_engine_reports_no_cached_tokens_across_salts_and_every_full_block_within_one(llm, hf_model):

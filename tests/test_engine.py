@@ -51,16 +51,6 @@ def max_tokens_for(i: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None   # fixed lengths: compare with ignore_eos
-    return model
-
-
-@pytest.fixture(scope="module")
 def prompts(hf_model):
     return make_prompts(hf_model.config.vocab_size)
 

@@ -38,16 +38,6 @@ def one_thread(one_torch_thread):
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model
-
-
-@pytest.fixture(scope="module")
 def tp_llm(one_thread):
     with LLM(MODEL, **CPU, **POOL, tensor_parallel_size=2) as llm:
         yield llm
