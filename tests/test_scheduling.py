@@ -26,7 +26,7 @@ from course_pkg.scheduler import Scheduler
 from course_pkg.sequence import SequenceStatus
 from course_pkg.swap import CpuBlockPool
 from tests.helpers import check_invariants, results, state
-from tests.test_engine import CONFIGS, expected, generate, hf_greedy, hf_model, one_thread, prompts  # noqa: F401
+from tests.test_engine import CONFIGS, expected, generate, hf_greedy, one_thread, prompts  # noqa: F401
 
 MODEL = default_model_path()
 CPU = dict(device="cpu", dtype=torch.float32, attention_backend="torch")
