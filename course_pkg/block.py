@@ -34,9 +34,13 @@ class Block:
 
     def update(self, hash: int, token_ids: list[int], prefix_id: int = -1, parent_prefix_id: int = -1,
                cache_salt: str | None = None) -> None:
-        """Register the block's content: its chained hash, its tokens, its exact prefix."""
+        """Register the block's content: its chained hash, its tokens, its exact prefix.
+
+        The block keeps the list it is given (no copy): hand it a list of its own, as the
+        slice ``seq.block(i)`` is.
+        """
         self.hash = hash
-        self.token_ids = list(token_ids)
+        self.token_ids = token_ids
         self.prefix_id = prefix_id
         self.parent_prefix_id = parent_prefix_id
         self.cache_salt = cache_salt

@@ -33,7 +33,8 @@ counted apart), with the hit rate over all requests and over the most recent one
 """
 from __future__ import annotations
 
-from array import array
+import functools
+import struct
 from collections import deque
 from contextlib import contextmanager
 
@@ -60,13 +61,22 @@ def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
     """xxhash64 of a block's token ids, chained on the parent block's hash.
 
     Chaining makes the key "this content *after that prefix*": the same tokens at another
-    position, or after another prefix, get another hash.
+    position, or after another prefix, get another hash. The bytes hashed are the parent's
+    hash (8 bytes, little-endian; none for a first block), then each token id in 8 bytes,
+    little-endian -- the bytes Nano-vLLM hashes too (numpy's int64), packed here in one call.
     """
-    h = xxhash.xxh64()
-    if prefix != -1:
-        h.update(prefix.to_bytes(8, "little"))
-    h.update(array("q", token_ids).tobytes())
-    return h.intdigest()
+    if prefix == -1:   # a first block: its tokens only
+        data = _uint64s(len(token_ids)).pack(*token_ids)
+    else:              # the parent's hash first, as one more 8-byte integer
+        data = _uint64s(len(token_ids) + 1).pack(prefix, *token_ids)
+    return xxhash.xxh64_intdigest(data)
+
+
+@functools.lru_cache(maxsize=64)
+def _uint64s(n: int) -> struct.Struct:
+    """Packs ``n`` integers in ``[0, 2**64)`` as 8 little-endian bytes each (one packer per length:
+    a block size, and a block size plus the parent's hash)."""
+    return struct.Struct(f"<{n}Q")
 
 
 def salt_hash(cache_salt: str | None) -> int:
@@ -183,9 +193,10 @@ class BlockManager:
         self.hash_to_block_id: dict[int, int] = {}
         self.prefix_cache_stats = PrefixCacheStats(max_recent_requests)
         # The guards (see the module docstring): seq_id -> the Sequence object that holds
-        # blocks; (parent prefix id, block tokens) -> [prefix id, blocks carrying it].
+        # blocks; chained hash -> (prefix id, (parent prefix id, tokens, salt)), the exact
+        # prefix that hash names here (see ``_prefix_id_for``).
         self._holders: dict[int, Sequence] = {}
-        self._prefix_ids: dict[tuple[int, tuple[int, ...], str | None], tuple[int, int]] = {}
+        self._prefix_ids: dict[int, tuple[int, tuple[int, list[int], str | None]]] = {}
         self._next_prefix_id = 0
         self.undo_log: UndoLog | None = None   # the running step's, if any (see the module docstring)
 
@@ -252,47 +263,58 @@ class BlockManager:
         return (block.token_ids == token_ids and block.parent_prefix_id == parent_prefix_id
                 and block.cache_salt == cache_salt)
 
-    def _prefix_id_for(self, parent_prefix_id: int, token_ids: list[int], cache_salt: str | None = None) -> int:
-        """The exact id of "prefix ``parent_prefix_id`` followed by ``token_ids``"; counts one
-        more block carrying it.
+    def _prefix_id_for(self, h: int, parent_prefix_id: int, token_ids: list[int],
+                       cache_salt: str | None = None) -> int:
+        """The exact id of "prefix ``parent_prefix_id`` followed by ``token_ids``", for a block
+        whose chained hash is ``h``.
 
-        A dict lookup compares keys by equality after their hash matches, so unlike
-        ``hash_to_block_id`` this cannot mistake one prefix for another. Ids are never reused;
-        an entry ``(id, blocks carrying it)`` lives while some block carries that prefix. A
-        first block's key holds its request's salt (``None`` for all other blocks).
+        ``_prefix_ids`` maps a chained hash to the prefix it names here, written out in full:
+        ``(prefix id, (parent prefix id, tokens, salt))``. The hash only finds the entry; the id
+        is shared only when the whole name is equal, so unlike ``hash_to_block_id`` this cannot
+        mistake one prefix for another. A second prefix under the same hash -- a collision --
+        gets an id of its own and no entry: no other block can share that id, which may cost a
+        hit, never give a wrong one. Ids are never reused, and an entry outlives the blocks that
+        carried its prefix (it still names that prefix exactly): ``_sweep_prefix_ids`` drops the
+        entries no block needs once they pile up. A first block's name holds its request's salt
+        (``None`` for all other blocks).
         """
-        key = (parent_prefix_id, tuple(token_ids), cache_salt)
-        prefix_id, carriers = self._prefix_ids.get(key, (self._next_prefix_id, 0))
-        if prefix_id == self._next_prefix_id:
-            self._set_next_prefix_id(prefix_id + 1)
-        self._set_prefix_entry(key, (prefix_id, carriers + 1))
+        name = (parent_prefix_id, token_ids, cache_salt)
+        entry = self._prefix_ids.get(h)
+        if entry is not None and entry[1] == name:
+            return entry[0]   # this very prefix has an id already
+        prefix_id = self._next_prefix_id
+        self._setattr("_next_prefix_id", prefix_id + 1)
+        if entry is None:     # else a collision: the id stays this block's own
+            if len(self._prefix_ids) > 2 * len(self.blocks) + 4096:
+                self._sweep_prefix_ids()   # (before the new entry: its block does not carry it yet)
+            self._set_prefix_entry(h, (prefix_id, name))
         return prefix_id
 
-    def _forget_prefix_id(self, block: Block) -> None:
-        """``block`` is about to lose its content: one block fewer carries its prefix."""
-        if block.prefix_id == -1:
-            return
-        key = (block.parent_prefix_id, tuple(block.token_ids), block.cache_salt)
-        prefix_id, carriers = self._prefix_ids[key]
-        self._set_prefix_entry(key, (prefix_id, carriers - 1) if carriers > 1 else None)
+    def _sweep_prefix_ids(self) -> None:
+        """Keep only the entries of prefixes that a block carries: the others only take memory.
 
-    def _set_prefix_entry(self, key, entry) -> None:
-        log = self.undo_log
-        if log is not None:
-            log.record(lambda old=self._prefix_ids.get(key): self._put_prefix_entry(key, old))
-        self._put_prefix_entry(key, entry)
+        Run when the dictionary holds more than twice as many entries as there are blocks (plus
+        4096, so that a small pool is not swept every few requests); afterwards it holds at most
+        one per block, so a sweep -- O(blocks) -- comes at most once per pool's worth of
+        registrations: amortised O(1) each. An entry swept while a cached block still names it
+        as its parent leaves that block unreachable: a miss, never a wrong hit.
+        """
+        entries, none = self._prefix_ids, (None,)
+        kept = {b.hash: entries[b.hash] for b in self.blocks if entries.get(b.hash, none)[0] == b.prefix_id}
+        self._setattr("_prefix_ids", kept)
 
-    def _put_prefix_entry(self, key, entry) -> None:
-        if entry is None:
-            del self._prefix_ids[key]
-        else:
-            self._prefix_ids[key] = entry
-
-    def _set_next_prefix_id(self, value: int) -> None:
+    def _set_prefix_entry(self, h: int, entry: tuple[int, tuple]) -> None:
         if self.undo_log is not None:
-            self.undo_log.setattr(self, "_next_prefix_id", value)
+            self.undo_log.setitem(self._prefix_ids, h, entry)
         else:
-            self._next_prefix_id = value
+            self._prefix_ids[h] = entry
+
+    def _setattr(self, name: str, value) -> None:
+        """``setattr(self, name, value)``, undoable during a step."""
+        if self.undo_log is not None:
+            self.undo_log.setattr(self, name, value)
+        else:
+            setattr(self, name, value)
 
     def _num_new_blocks(self, seq: Sequence, hit_block_ids: list[int]) -> int:
         """Free blocks an allocation takes: fresh blocks plus cache hits revived from the free queue."""
@@ -307,7 +329,6 @@ class BlockManager:
             log.record(lambda: self._undo_allocate_block(block))
             log.new_blocks.append(block.block_id)
         self._maybe_evict_cached_block(block)
-        self._forget_prefix_id(block)
         self._save(block)
         block.reset()
         self.used_block_ids.add(block.block_id)
@@ -347,7 +368,6 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.hash != -1:
                 self._maybe_evict_cached_block(block)
-                self._forget_prefix_id(block)
                 block.update(-1, [], -1, -1)
             if block.ref_count > 0:
                 held.add(block_id)
@@ -690,7 +710,7 @@ class BlockManager:
                 continue
             parent_prefix_id = self.blocks[seq.block_table[i - 1]].prefix_id if i else -1
             self._save(block)
-            block.update(h, token_ids, self._prefix_id_for(parent_prefix_id, token_ids, salt), parent_prefix_id, salt)
+            block.update(h, token_ids, self._prefix_id_for(h, parent_prefix_id, token_ids, salt), parent_prefix_id, salt)
             self._set_index_entry(h, block.block_id)
             seq.block_hashes.append(h)
 

@@ -8,6 +8,8 @@ tokens, never take a prompt's last block from the cache.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from course_pkg import BlockManager, NoFreeBlocksError, Sequence
 from course_pkg.block_manager import PrefixCacheStats, compute_hash
@@ -214,3 +216,100 @@ def test_decoded_blocks_are_reused_by_the_next_turn_of_a_chat():
     turn2 = admit(bm, list(range(6)) + [50, 51, 52, 53, 60, 61, 62], compute=False)
     assert turn2.num_cached_tokens == 8
     assert turn2.block_table[:2] == [0, 1]
+
+
+# ---------------------------------------------------------------- the hash, against Nano-vLLM's bytes
+
+def _nano_vllm_hash(token_ids, prefix=-1):
+    """Nano-vLLM's ``compute_hash``: the parent's hash as 8 little-endian bytes, then numpy int64s."""
+    import numpy as np
+    import xxhash
+
+    h = xxhash.xxh64()
+    if prefix != -1:
+        h.update(prefix.to_bytes(8, "little"))
+    h.update(np.array(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=40),
+       prefix=st.one_of(st.just(-1), st.integers(0, 2**64 - 1)))
+def test_compute_hash_hashes_the_bytes_nano_vllm_hashes(tokens, prefix):
+    assert compute_hash(tokens, prefix) == _nano_vllm_hash(tokens, prefix)
+
+
+# ---------------------------------------------------------------- the exact prefix names
+
+def _random_admissions(bm, rng, n, vocab=3, max_blocks=4):
+    """Admit, compute and release ``n`` random prompts over a tiny vocabulary (so prefixes
+    repeat); yield (sequence, hit blocks) right after each admission."""
+    holding = []
+    for _ in range(n):
+        seq = Sequence([rng.randrange(vocab) for _ in range(rng.randint(1, max_blocks * bm.block_size + 1))],
+                       block_size=bm.block_size)
+        while (hits := bm.can_allocate(seq)) == -1:
+            bm.deallocate(holding.pop(0))
+        bm.allocate(seq, hits)
+        yield seq, hits
+        compute_all(bm, seq)
+        holding.append(seq)
+
+
+def test_every_hit_holds_exactly_its_prefix_and_the_names_stay_bounded():
+    """Thousands of registrations of repeating prefixes: every hit block was computed after
+    exactly the request's tokens (a shadow record of each block's whole prefix says so), each
+    registered block's name is in the dictionary, and the sweep keeps it to twice the pool."""
+    import random
+
+    rng = random.Random(7)
+    bm = BlockManager(24, 2)
+    prefix_of: dict[int, tuple] = {}   # block id -> the whole token prefix its K/V were computed after
+    sizes, hits_seen = [], 0
+    for seq, hits in _random_admissions(bm, rng, 3000, vocab=3, max_blocks=10):
+        for i, block_id in enumerate(seq.block_table[:hits]):
+            assert prefix_of[block_id] == tuple(seq.token_ids[:(i + 1) * bm.block_size])
+        hits_seen += hits
+        for i, block_id in enumerate(seq.block_table[hits:], start=hits):   # fresh blocks: new content
+            prefix_of[block_id] = tuple(seq.token_ids[:(i + 1) * bm.block_size])
+        for block in bm.blocks:
+            if block.prefix_id != -1:
+                assert bm._prefix_ids[block.hash][0] == block.prefix_id
+        sizes.append(len(bm._prefix_ids))
+        assert sizes[-1] <= 2 * bm.num_blocks + 4096 + 1
+    assert hits_seen > 500                      # the prefixes did repeat
+    assert any(b < a for a, b in zip(sizes, sizes[1:]))   # and a sweep ran
+
+
+def test_a_colliding_prefix_gets_an_id_of_its_own(monkeypatch):
+    """Every hash forced to 42: the first prefix keeps the entry; each other prefix gets an id
+    that no other block shares -- the same colliding prefix computed twice gets two ids (a
+    possible lost hit for their children, never a wrong hit). Hits still go through the index."""
+    bm = BlockManager(8, 2)
+    monkeypatch.setattr(bm, "compute_hash", lambda token_ids, prefix=-1: 42)
+    a = admit(bm, [1, 2, 3])
+    b = admit(bm, [5, 6, 7], compute=False)     # b and c in the same step: neither hits the other
+    c = admit(bm, [5, 6, 8], compute=False)
+    compute_all(bm, b)
+    compute_all(bm, c)
+    first, second, third = (bm.blocks[s.block_table[0]] for s in (a, b, c))
+    assert bm._prefix_ids == {42: (first.prefix_id, (-1, [1, 2], None))}
+    assert len({first.prefix_id, second.prefix_id, third.prefix_id}) == 3
+    assert bm.hash_to_block_id == {42: third.block_id}
+    assert bm.can_allocate(Sequence([5, 6, 9], block_size=2)) == 1     # c's block: same tokens, no parent
+    assert bm.can_allocate(Sequence([1, 2, 9], block_size=2)) == 0     # the index holds [5, 6], not [1, 2]
+
+
+def test_a_sweep_inside_a_failed_transaction_is_undone():
+    bm = BlockManager(8, 1)
+    start = 0
+    while len(bm._prefix_ids) <= 2 * bm.num_blocks + 4096 - 6:   # 5 new names per request
+        bm.deallocate(admit(bm, range(start, start + 5)))
+        start += 5
+    before = dict(bm._prefix_ids), bm._next_prefix_id, state(bm)
+    with pytest.raises(RuntimeError, match="step failed"):
+        with bm.transaction():
+            admit(bm, range(10**6, 10**6 + 6))           # its 6 new names push the dictionary over
+            assert len(bm._prefix_ids) < len(before[0])   # swept
+            raise RuntimeError("step failed")
+    assert (dict(bm._prefix_ids), bm._next_prefix_id, state(bm)) == before

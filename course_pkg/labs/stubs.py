@@ -152,7 +152,7 @@ class StudentPrefixBlockManager(BlockManager):
         """Register the blocks of ``seq`` that became full and computed since the last call
         (``seq.num_cached_tokens`` counts the computed tokens; ``seq.block_hashes`` the
         blocks registered so far): ``block.update(hash, token_ids, prefix_id, parent_prefix_id)``
-        with ``prefix_id = self._prefix_id_for(parent_prefix_id, token_ids)``, and the index."""
+        with ``prefix_id = self._prefix_id_for(hash, parent_prefix_id, token_ids)``, and the index."""
         ...
 
 

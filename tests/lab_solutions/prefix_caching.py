@@ -35,7 +35,7 @@ class ScratchPrefixBlockManager(BlockManager):
             h = self.compute_hash(tokens, seq.block_hashes[-1] if i else -1)
             parent = self.blocks[seq.block_table[i - 1]].prefix_id if i else -1
             block = self.blocks[seq.block_table[i]]
-            block.update(h, tokens, self._prefix_id_for(parent, tokens), parent)
+            block.update(h, tokens, self._prefix_id_for(h, parent, tokens), parent)
             self.hash_to_block_id[h] = block.block_id
             seq.block_hashes.append(h)
 
