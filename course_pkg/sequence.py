@@ -12,6 +12,9 @@ from course_pkg.sampling_params import SamplingParams
 from course_pkg.validation import check_cache_salt, check_positive_int, check_token_ids
 
 
+_DEFAULT_SAMPLING_PARAMS = SamplingParams()
+
+
 class SequenceStatus(Enum):
     """Where a request is in its life, named as vLLM's ``RequestStatus`` names it.
 
@@ -91,7 +94,7 @@ class Sequence:
         if not token_ids:
             raise ValueError("a sequence needs at least one token (the prompt is empty)")
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = _DEFAULT_SAMPLING_PARAMS   # frozen: one instance serves every sequence
         elif not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         self.seq_id = Sequence._ids.take()
@@ -189,7 +192,7 @@ class Sequence:
 
     def block(self, i: int) -> list[int]:
         """Token ids of logical block ``i``."""
-        if not 0 <= i < self.num_blocks:
+        if i < 0 or i * self.block_size >= self.num_tokens:   # i.e. not 0 <= i < num_blocks
             raise IndexError(f"logical block {i} out of range: sequence has {self.num_blocks} blocks")
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 

@@ -9,8 +9,10 @@ string ``"no"`` is not ``False``.
 from __future__ import annotations
 
 import math
+from array import array
 
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+UINT64_MAX = 2**64 - 1
 
 
 def is_int(value) -> bool:
@@ -72,20 +74,29 @@ def check_choice(name: str, value, choices: tuple) -> str:
 
 
 def check_token_ids(name: str, token_ids, vocab_size: int | None = None) -> list[int]:
-    """A list of token ids: integers >= 0 (and < ``vocab_size`` when given)."""
+    """A list of token ids: integers in ``[0, 2**64)`` (and below ``vocab_size`` when given)."""
     token_ids = list(token_ids)
-    # The common case in two passes that run in C (a prompt can hold 100k tokens): every item an
-    # int exactly (no bool, no float, no numpy scalar) and none below 0 or above the vocabulary.
-    # Otherwise the loop below finds the first bad item and names it.
-    if not token_ids or ({*map(type, token_ids)} == {int} and min(token_ids) >= 0
+    # The common case in passes that run in C (a prompt can hold 100k tokens): every item an int
+    # exactly (no bool, no float, no numpy scalar), none below 0 or above what an unsigned 64-bit
+    # integer holds (``array("Q")`` raises for those) and none past the vocabulary. Otherwise the
+    # loop below finds the first bad item and names it.
+    if not token_ids or ([*map(type, token_ids)].count(int) == len(token_ids) and _fits_uint64(token_ids)
                          and (vocab_size is None or max(token_ids) < vocab_size)):
         return token_ids
     for i, t in enumerate(token_ids):
-        if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
-            limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        if not is_int(t) or not 0 <= t <= UINT64_MAX or (vocab_size is not None and t >= vocab_size):
+            limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0 and < 2**64"
             raise ValueError(f"{name}[{i}] is {t!r}: token ids must be integers {limit}"
                              + (" (the model's vocabulary)" if vocab_size is not None else ""))
     return token_ids
+
+
+def _fits_uint64(ints: list[int]) -> bool:
+    try:
+        array("Q", ints)
+    except OverflowError:   # below 0, or above UINT64_MAX
+        return False
+    return True
 
 
 def check_cache_salt(value) -> str | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
+import numpy as np
 import pytest
 from pathlib import Path
 from hypothesis import given, settings
@@ -364,7 +365,7 @@ def test_a_policy_of_ones_own_plugs_into_the_replay():
 
 # ---------------------------------------------------------------- token validation's fast path
 
-@pytest.mark.parametrize("bad", [True, False, 1.0, -1, "3", None])
+@pytest.mark.parametrize("bad", [True, False, 1.0, -1, "3", None, 2**64, np.int64(3)])
 @pytest.mark.parametrize("position", [0, 700])
 def test_token_validation_names_the_first_bad_item_on_long_lists(bad, position):
     tokens = list(range(1000))
