@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/trace_replay.py                       # pools 500 .. 100,000 blocks
     .venv/bin/python benchmarks/trace_replay.py --pools 500 30000 --requests 1000
     .venv/bin/python benchmarks/trace_replay.py --block-size 512      # Mooncake's own block size
+    .venv/bin/python benchmarks/trace_replay.py --profile --pools 500 30000   # where the time goes
 
 The Mooncake trace (``data/``) is replayed as chapter 11 replays it -- requests in trace order, at
 most 16 holding blocks, the oldest released first or when a new request needs room -- by three
@@ -14,9 +15,10 @@ caches, each at the same pool sizes:
   produces, so chained hashing, the exact check and the token validation all do their real
   work. Per request: build the ``Sequence``, ``can_allocate``, ``allocate``, ``hash_blocks``,
   and later ``deallocate``;
-* ``NanoVllm``     -- Nano-vLLM's ``BlockManager`` algorithm, re-implemented below (a ``deque``
-  whose ``remove`` scans, numpy-built hash input, a token-list check, registration at
-  allocation, no guards, no validation), on the same tokens and the same calls;
+* ``NanoVllm``     -- Nano-vLLM's ``BlockManager`` and ``Sequence``, re-implemented below with
+  its data structures, its calls and its asserts (Python runs them): a ``deque`` whose
+  ``remove`` scans, numpy-built hash input, a token-list check, registration at allocation,
+  no exact check, no validation -- on the same tokens and the same calls;
 * ``radix``        -- the package's ``RadixCache`` policy over the trace's block ids.
 
 Only the cache's own work is timed (the token lists are built outside the clock), with the
@@ -32,6 +34,8 @@ import gc
 import sys
 import time
 from collections import deque
+from copy import copy
+from itertools import count
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +52,13 @@ CONCURRENCY = 16
 
 
 # ------------------------------------------------------------------ Nano-vLLM's algorithm, as a foil
+
+class NanoSamplingParams:
+    def __init__(self, temperature: float = 1.0, max_tokens: int = 64, ignore_eos: bool = False):
+        self.temperature = temperature
+        self.max_tokens = max_tokens
+        self.ignore_eos = ignore_eos
+
 
 class NanoBlock:
     def __init__(self, block_id: int):
@@ -67,23 +78,32 @@ class NanoBlock:
 
 
 class NanoSequence:
-    def __init__(self, token_ids: list[int], block_size: int):
-        self.token_ids = list(token_ids)   # Nano-vLLM copies the prompt, and checks nothing
+    counter = count()
+
+    def __init__(self, token_ids: list[int], block_size: int, sampling_params=NanoSamplingParams()):
+        self.seq_id = next(NanoSequence.counter)
+        self.token_ids = copy(token_ids)   # Nano-vLLM copies the prompt, and checks nothing
+        self.last_token = token_ids[-1]
         self.num_tokens = len(self.token_ids)
-        self.block_size = block_size
+        self.num_prompt_tokens = len(token_ids)
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
+        self.block_size = block_size       # (a class attribute in Nano-vLLM)
+        self.temperature = sampling_params.temperature
+        self.max_tokens = sampling_params.max_tokens
+        self.ignore_eos = sampling_params.ignore_eos
 
     @property
     def num_blocks(self) -> int:
         return (self.num_tokens + self.block_size - 1) // self.block_size
 
     def block(self, i: int) -> list[int]:
+        assert 0 <= i < self.num_blocks
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
 
 class NanoBlockManager:
-    """Nano-vLLM's ``engine/block_manager.py``, its decisions and data structures, for timing."""
+    """Nano-vLLM's ``engine/block_manager.py``: its decisions, data structures and asserts, for timing."""
 
     def __init__(self, num_blocks: int, block_size: int):
         self.block_size = block_size
@@ -92,8 +112,8 @@ class NanoBlockManager:
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.used_block_ids: set[int] = set()
 
-    @staticmethod
-    def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
+    @classmethod
+    def compute_hash(cls, token_ids: list[int], prefix: int = -1) -> int:
         h = xxhash.xxh64()
         if prefix != -1:
             h.update(prefix.to_bytes(8, "little"))
@@ -102,12 +122,14 @@ class NanoBlockManager:
 
     def _allocate_block(self, block_id: int) -> NanoBlock:
         block = self.blocks[block_id]
+        assert block.ref_count == 0
         block.reset()
         self.free_block_ids.remove(block_id)     # O(n) for a block in the middle of the queue
         self.used_block_ids.add(block_id)
-        return block
+        return self.blocks[block_id]
 
     def _deallocate_block(self, block_id: int) -> None:
+        assert self.blocks[block_id].ref_count == 0
         self.used_block_ids.remove(block_id)
         self.free_block_ids.append(block_id)
 
@@ -115,6 +137,7 @@ class NanoBlockManager:
         return len(self.free_block_ids) >= seq.num_blocks
 
     def allocate(self, seq: NanoSequence) -> None:
+        assert not seq.block_table
         h = -1
         cache_miss = False
         for i in range(seq.num_blocks):
@@ -124,7 +147,8 @@ class NanoBlockManager:
             if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
                 cache_miss = True
             if cache_miss:
-                block = self._allocate_block(self.free_block_ids[0])
+                block_id = self.free_block_ids[0]
+                block = self._allocate_block(block_id)
             else:
                 seq.num_cached_tokens += self.block_size
                 if block_id in self.used_block_ids:
@@ -134,8 +158,8 @@ class NanoBlockManager:
                     block = self._allocate_block(block_id)
             if h != -1:
                 block.update(h, token_ids)
-                self.hash_to_block_id[h] = block.block_id
-            seq.block_table.append(block.block_id)
+                self.hash_to_block_id[h] = block_id
+            seq.block_table.append(block_id)
 
     def deallocate(self, seq: NanoSequence) -> None:
         for block_id in reversed(seq.block_table):
@@ -200,6 +224,39 @@ def replay_block_manager(trace, num_blocks: int, block_size: int, free_queue: st
                         admit, bm.deallocate)
 
 
+CALLS = ("Sequence", "can_allocate", "allocate", "hash_blocks", "deallocate")
+
+
+def profile_block_manager(trace, num_blocks: int, block_size: int, free_queue: str) -> dict[str, float]:
+    """Seconds the BlockManager's replay spends in each call of its per-request path, each call
+    timed apart (the clock itself adds a little to each)."""
+    bm = BlockManager(num_blocks, block_size, free_queue=free_queue)
+    spent = dict.fromkeys(CALLS, 0.0)
+
+    def timed(name, fn):
+        def call(*args):
+            t0 = time.perf_counter()
+            result = fn(*args)
+            spent[name] += time.perf_counter() - t0
+            return result
+        return call
+
+    can_allocate, allocate, hash_blocks = (timed(name, getattr(bm, name)) for name in CALLS[1:4])
+
+    def admit(seq: Sequence) -> int | None:
+        cached = can_allocate(seq)
+        if cached == -1:
+            return None
+        allocate(seq, cached)
+        seq.num_cached_tokens = seq.num_tokens
+        hash_blocks(seq)
+        return cached
+
+    timed_replay(trace, num_blocks, block_size, timed("Sequence", lambda tokens, _: Sequence(tokens, block_size=block_size)),
+                 admit, timed("deallocate", bm.deallocate))
+    return spent
+
+
 def replay_nano(trace, num_blocks: int, block_size: int) -> tuple[float, int, int]:
     bm = NanoBlockManager(num_blocks, block_size)
 
@@ -227,6 +284,26 @@ def replay_radix(trace, num_blocks: int, block_size: int) -> tuple[float, int, i
                         lambda request: policy.release(request[1]))
 
 
+def print_profile(trace, args) -> None:
+    print(f"Mooncake trace, first {len(trace):,} requests, {args.block_size} tokens per block: the BlockManager's "
+          f"microseconds per request, per call (best of {args.repeats})")
+    print(f"{'pool':>8} {'queue':>7} " + " ".join(f"{name:>12}" for name in CALLS) + f" {'total':>8}")
+    gc.disable()
+    try:
+        for pool in args.pools:
+            n = sum(1 for r in trace if r.num_blocks <= pool)
+            for free_queue in ("deque", "linked"):
+                runs = []
+                for _ in range(args.repeats):
+                    gc.collect()
+                    runs.append(profile_block_manager(trace, pool, args.block_size, free_queue))
+                best = min(runs, key=lambda spent: sum(spent.values()))
+                print(f"{pool:>8,} {free_queue:>7} " + " ".join(f"{best[name] / n * 1e6:>12.1f}" for name in CALLS)
+                      + f" {sum(best.values()) / n * 1e6:>8.1f}")
+    finally:
+        gc.enable()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pools", type=int, nargs="+",
@@ -234,8 +311,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000, help="the first N requests of the trace")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per trace block (Mooncake's: 512)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per cache and pool; the fastest counts")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead: where the BlockManager's time goes, per call of its per-request path")
     args = parser.parse_args()
     trace = load_mooncake(MOONCAKE_TRACE, limit=args.requests)
+    if args.profile:
+        print_profile(trace, args)
+        return
     print(f"Mooncake trace, first {len(trace):,} requests, {args.block_size} tokens per block, "
           f"concurrency {CONCURRENCY}; microseconds per request (cache work only, best of {args.repeats})")
     print(f"{'pool':>8} {'BM deque':>9} {'BM linked':>9} {'NanoVllm':>9} {'radix':>7}   "
