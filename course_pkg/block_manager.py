@@ -198,6 +198,7 @@ class BlockManager:
         self._holders: dict[int, Sequence] = {}
         self._prefix_ids: dict[int, tuple[int, tuple[int, list[int], str | None]]] = {}
         self._next_prefix_id = 0
+        self._prefix_sweep_at = 2 * num_blocks + 4096   # see _sweep_prefix_ids
         self.undo_log: UndoLog | None = None   # the running step's, if any (see the module docstring)
 
     # The hash function is reachable from the manager, as in Nano-vLLM.
@@ -282,39 +283,42 @@ class BlockManager:
         entry = self._prefix_ids.get(h)
         if entry is not None and entry[1] == name:
             return entry[0]   # this very prefix has an id already
-        prefix_id = self._next_prefix_id
-        self._setattr("_next_prefix_id", prefix_id + 1)
+        prefix_id = self._take_prefix_id()
         if entry is None:     # else a collision: the id stays this block's own
-            if len(self._prefix_ids) > 2 * len(self.blocks) + 4096:
+            if len(self._prefix_ids) > self._prefix_sweep_at:
                 self._sweep_prefix_ids()   # (before the new entry: its block does not carry it yet)
             self._set_prefix_entry(h, (prefix_id, name))
+        return prefix_id
+
+    def _take_prefix_id(self) -> int:
+        prefix_id = self._next_prefix_id
+        if self.undo_log is not None:
+            self.undo_log.setattr(self, "_next_prefix_id", prefix_id + 1)
+        else:
+            self._next_prefix_id = prefix_id + 1
         return prefix_id
 
     def _sweep_prefix_ids(self) -> None:
         """Keep only the entries of prefixes that a block carries: the others only take memory.
 
-        Run when the dictionary holds more than twice as many entries as there are blocks (plus
-        4096, so that a small pool is not swept every few requests); afterwards it holds at most
-        one per block, so a sweep -- O(blocks) -- comes at most once per pool's worth of
+        Run once the dictionary holds more than ``_prefix_sweep_at`` entries: twice the blocks,
+        plus 4096 so that a small pool is not swept every few requests. Afterwards it holds at
+        most one per block, so a sweep -- O(blocks) -- comes at most once per pool's worth of
         registrations: amortised O(1) each. An entry swept while a cached block still names it
         as its parent leaves that block unreachable: a miss, never a wrong hit.
         """
         entries, none = self._prefix_ids, (None,)
         kept = {b.hash: entries[b.hash] for b in self.blocks if entries.get(b.hash, none)[0] == b.prefix_id}
-        self._setattr("_prefix_ids", kept)
+        if self.undo_log is not None:
+            self.undo_log.setattr(self, "_prefix_ids", kept)
+        else:
+            self._prefix_ids = kept
 
     def _set_prefix_entry(self, h: int, entry: tuple[int, tuple]) -> None:
         if self.undo_log is not None:
             self.undo_log.setitem(self._prefix_ids, h, entry)
         else:
             self._prefix_ids[h] = entry
-
-    def _setattr(self, name: str, value) -> None:
-        """``setattr(self, name, value)``, undoable during a step."""
-        if self.undo_log is not None:
-            self.undo_log.setattr(self, name, value)
-        else:
-            setattr(self, name, value)
 
     def _num_new_blocks(self, seq: Sequence, hit_block_ids: list[int]) -> int:
         """Free blocks an allocation takes: fresh blocks plus cache hits revived from the free queue."""
