@@ -208,29 +208,31 @@ def timed_replay(trace, num_blocks: int, block_size: int, make_request, admit, r
     return seconds, hits, candidates
 
 
-def replay_block_manager(trace, num_blocks: int, block_size: int, free_queue: str) -> tuple[float, int, int]:
+CALLS = ("Sequence", "can_allocate", "allocate", "hash_blocks", "deallocate")
+
+
+def replay_block_manager(trace, num_blocks: int, block_size: int, free_queue: str,
+                         wrap=lambda name, fn: fn) -> tuple[float, int, int]:
+    """The BlockManager's replay; ``wrap(name, fn)`` may wrap each call of ``CALLS`` (to time it apart)."""
     bm = BlockManager(num_blocks, block_size, free_queue=free_queue)
+    make = wrap("Sequence", lambda tokens, _: Sequence(tokens, block_size=block_size))
+    can_allocate, allocate, hash_blocks, deallocate = (wrap(name, getattr(bm, name)) for name in CALLS[1:])
 
     def admit(seq: Sequence) -> int | None:
-        cached = bm.can_allocate(seq)
+        cached = can_allocate(seq)
         if cached == -1:
             return None
-        bm.allocate(seq, cached)
+        allocate(seq, cached)
         seq.num_cached_tokens = seq.num_tokens      # the prefill ran
-        bm.hash_blocks(seq)
+        hash_blocks(seq)
         return cached
 
-    return timed_replay(trace, num_blocks, block_size, lambda tokens, _: Sequence(tokens, block_size=block_size),
-                        admit, bm.deallocate)
-
-
-CALLS = ("Sequence", "can_allocate", "allocate", "hash_blocks", "deallocate")
+    return timed_replay(trace, num_blocks, block_size, make, admit, deallocate)
 
 
 def profile_block_manager(trace, num_blocks: int, block_size: int, free_queue: str) -> dict[str, float]:
     """Seconds the BlockManager's replay spends in each call of its per-request path, each call
     timed apart (the clock itself adds a little to each)."""
-    bm = BlockManager(num_blocks, block_size, free_queue=free_queue)
     spent = dict.fromkeys(CALLS, 0.0)
 
     def timed(name, fn):
@@ -241,19 +243,7 @@ def profile_block_manager(trace, num_blocks: int, block_size: int, free_queue: s
             return result
         return call
 
-    can_allocate, allocate, hash_blocks = (timed(name, getattr(bm, name)) for name in CALLS[1:4])
-
-    def admit(seq: Sequence) -> int | None:
-        cached = can_allocate(seq)
-        if cached == -1:
-            return None
-        allocate(seq, cached)
-        seq.num_cached_tokens = seq.num_tokens
-        hash_blocks(seq)
-        return cached
-
-    timed_replay(trace, num_blocks, block_size, timed("Sequence", lambda tokens, _: Sequence(tokens, block_size=block_size)),
-                 admit, timed("deallocate", bm.deallocate))
+    replay_block_manager(trace, num_blocks, block_size, free_queue, wrap=timed)
     return spent
 
 
