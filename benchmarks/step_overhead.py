@@ -1,15 +1,15 @@
-"""Host time per engine step outside the forward pass, and what the step's undo log records.
+"""Host time per engine step outside the forward pass, and what the step's journal records.
 
     .venv/bin/python benchmarks/step_overhead.py            # ~1 minute on 2 cores
     .venv/bin/python benchmarks/step_overhead.py --quick    # seconds
 
-A step is a transaction (ARCHITECTURE.md, "The undo log"): every change the scheduler, the
-block manager and the sampler make records its inverse. This script measures what that
-bookkeeping costs next to the model. For decode batches of 8, 32 and 128 sequences (and one
+A step is a transaction (ARCHITECTURE.md, "The journal"): every change the scheduler and the
+block manager make is recorded with its inverse, and the model runner notes the sampler's
+generators. This script measures what that bookkeeping costs next to the model. For decode batches of 8, 32 and 128 sequences (and one
 run of prompts) on the seeded random 21M-parameter Qwen3 of ``engine_vs_hf.py``, it times every
 ``step()`` and, inside it, the model runner's forward pass and sampling; the rest -- schedule,
-``update_from_output``, the undo log, the engine's metrics -- is the host time outside the
-forward pass. It also counts the undo-log entries each step recorded.
+``update_from_output``, the journal, the engine's metrics -- is the host time outside the
+forward pass. It also counts the journal entries each step recorded.
 """
 from __future__ import annotations
 
@@ -29,7 +29,10 @@ import torch  # noqa: E402
 
 from course_pkg import LLM, SamplingParams  # noqa: E402
 from course_pkg.models import build_random_checkpoint  # noqa: E402
-from course_pkg.undo import UndoLog  # noqa: E402
+try:  # (the journal's name; the undo log's before it, so that one script measures both commits)
+    from course_pkg.undo import Journal as UndoLog  # noqa: E402
+except ImportError:
+    from course_pkg.undo import UndoLog  # noqa: E402
 
 
 def measure(path, batch: int, prompt_len: int, output_len: int, seed: int = 0) -> dict:

@@ -13,10 +13,6 @@ Invariants (tested after every call): free and used partition all blocks; a bloc
 the free queue at most once; the sum of ref counts equals the number of block-table
 entries of live sequences; every index entry points at a block that carries that hash.
 
-During an engine step ``undo_log`` is the step's ``UndoLog`` (course_pkg.undo): every change
-below records its inverse there, so a failed step can be undone exactly. Outside a step it is
-None and nothing is recorded.
-
 Two guards sit beside the four structures and change no decision of a correct program:
 ``_holders`` (the sequences this manager allocated, so ``deallocate`` can refuse any other)
 and ``_prefix_ids`` (exact names for the token prefixes that registered blocks end, so a
@@ -36,14 +32,11 @@ from __future__ import annotations
 import functools
 import struct
 from collections import deque
-from contextlib import contextmanager
-
 import xxhash
 
 from course_pkg.block import Block
 from course_pkg.free_block_queue import FreeBlockQueue
 from course_pkg.sequence import Sequence
-from course_pkg.undo import UndoLog
 from course_pkg.validation import check_bool, check_choice, check_positive_int, is_int
 
 FREE_QUEUES = ("deque", "linked")
@@ -116,19 +109,17 @@ class PrefixCacheStats:
         self._recent_queries = 0
         self._recent_hits = 0
 
-    def record(self, queries: int, hits: int, preempted: bool = False) -> tuple[int, int] | None:
+    def record(self, queries: int, hits: int, preempted: bool = False) -> None:
         """Count one admission that asked for ``queries`` tokens and found ``hits`` of them.
 
         ``preempted``: the request was preempted before (this is a readmission); it is
-        counted in the ``preempted_*`` fields only. Returns the admission that fell out of the
-        recent window, if one did (``unrecord`` needs it).
+        counted in the ``preempted_*`` fields only.
         """
         if preempted:
             self.preempted_requests += 1
             self.preempted_queries += queries
             self.preempted_hits += hits
-            return None
-        dropped = None
+            return
         if len(self.recent) == self.max_recent_requests:
             dropped = self.recent[0]  # about to fall out of the window
             self._recent_queries -= dropped[0]
@@ -139,25 +130,6 @@ class PrefixCacheStats:
         self.requests += 1
         self.queries += queries
         self.hits += hits
-        return dropped
-
-    def unrecord(self, queries: int, hits: int, preempted: bool, dropped: tuple[int, int] | None) -> None:
-        """Take back the latest ``record`` (an undone step's admission)."""
-        if preempted:
-            self.preempted_requests -= 1
-            self.preempted_queries -= queries
-            self.preempted_hits -= hits
-            return
-        self.requests -= 1
-        self.queries -= queries
-        self.hits -= hits
-        self.recent.pop()
-        self._recent_queries -= queries
-        self._recent_hits -= hits
-        if dropped is not None:
-            self.recent.appendleft(dropped)
-            self._recent_queries += dropped[0]
-            self._recent_hits += dropped[1]
 
     @property
     def hit_rate(self) -> float:
@@ -199,7 +171,6 @@ class BlockManager:
         self._prefix_ids: dict[int, tuple[int, tuple[int, list[int], str | None]]] = {}
         self._next_prefix_id = 0
         self._prefix_sweep_at = 2 * num_blocks + 4096   # see _sweep_prefix_ids
-        self.undo_log: UndoLog | None = None   # the running step's, if any (see the module docstring)
 
     # The hash function is reachable from the manager, as in Nano-vLLM.
     compute_hash = staticmethod(compute_hash)
@@ -287,15 +258,12 @@ class BlockManager:
         if entry is None:     # else a collision: the id stays this block's own
             if len(self._prefix_ids) > self._prefix_sweep_at:
                 self._sweep_prefix_ids()   # (before the new entry: its block does not carry it yet)
-            self._set_prefix_entry(h, (prefix_id, name))
+            self._prefix_ids[h] = (prefix_id, name)
         return prefix_id
 
     def _take_prefix_id(self) -> int:
         prefix_id = self._next_prefix_id
-        if self.undo_log is not None:
-            self.undo_log.setattr(self, "_next_prefix_id", prefix_id + 1)
-        else:
-            self._next_prefix_id = prefix_id + 1
+        self._next_prefix_id = prefix_id + 1
         return prefix_id
 
     def _sweep_prefix_ids(self) -> None:
@@ -308,17 +276,7 @@ class BlockManager:
         as its parent leaves that block unreachable: a miss, never a wrong hit.
         """
         entries, none = self._prefix_ids, (None,)
-        kept = {b.hash: entries[b.hash] for b in self.blocks if entries.get(b.hash, none)[0] == b.prefix_id}
-        if self.undo_log is not None:
-            self.undo_log.setattr(self, "_prefix_ids", kept)
-        else:
-            self._prefix_ids = kept
-
-    def _set_prefix_entry(self, h: int, entry: tuple[int, tuple]) -> None:
-        if self.undo_log is not None:
-            self.undo_log.setitem(self._prefix_ids, h, entry)
-        else:
-            self._prefix_ids[h] = entry
+        self._prefix_ids = {b.hash: entries[b.hash] for b in self.blocks if entries.get(b.hash, none)[0] == b.prefix_id}
 
     def _num_new_blocks(self, seq: Sequence, hit_block_ids: list[int]) -> int:
         """Free blocks an allocation takes: fresh blocks plus cache hits revived from the free queue."""
@@ -328,54 +286,33 @@ class BlockManager:
     def _allocate_block(self) -> Block:
         """Take the block at the head of the free queue for new content."""
         block = self.blocks[self.free_block_ids.popleft()]
-        log = self.undo_log
-        if log is not None:
-            log.record(lambda: self._undo_allocate_block(block))
-            log.new_blocks.append(block.block_id)
         self._maybe_evict_cached_block(block)
-        self._save(block)
         block.reset()
         self.used_block_ids.add(block.block_id)
         return block
 
-    def _undo_allocate_block(self, block: Block) -> None:
-        """Put a block taken by an undone step back at the head of the free queue (its
-        before-image and index entry were restored by the newer log entries already)."""
-        self.used_block_ids.discard(block.block_id)
-        self.free_block_ids.appendleft(block.block_id)
+    def forget_overwritten(self, written: dict[int, int]) -> list[Sequence]:
+        """K/V were overwritten behind the bookkeeping's back (a step that wrote them was undone):
+        ``written`` maps a block id to the first offset written in it.
 
-    @contextmanager
-    def transaction(self):
-        """``with bm.transaction() as log:`` -- the calls inside are undone together if one raises
-        (the engine's step opens its own log over more than the manager: ``Scheduler.schedule``)."""
-        if self.undo_log is not None:
-            raise RuntimeError("a transaction is open on this BlockManager already")
-        log = self.undo_log = UndoLog()
-        try:
-            yield log
-        except BaseException:
-            log.rollback()
-            self.undo_log = None
-            self.forget_overwritten(log)
-            raise
-        self.undo_log = None
-
-    def forget_overwritten(self, log: UndoLog) -> set[int]:
-        """After ``log``'s step was rolled back: if it wrote K/V, the blocks it took for new
-        content (``log.new_blocks``) lost what they held. Drop their prefix-cache entries, so no
-        later request hits overwritten K/V; return those that a sequence holds again (its K/V
-        are gone from that block on: it must be recomputed)."""
-        if not log.kv_written:
-            return set()
-        held = set()
-        for block_id in dict.fromkeys(log.new_blocks):
+        A registered block among them loses its prefix-cache entry, so no later request hits
+        what is no longer there; returns the sequences whose *computed* tokens lie in a written
+        slot (they must be computed again). A sequence's own slots past its computed tokens are
+        not its K/V yet: writing them harms nobody.
+        """
+        damaged = []
+        for seq in self._holders.values():
+            for i, block_id in enumerate(seq.block_table):
+                first = written.get(block_id)
+                if first is not None and seq.num_cached_tokens > i * self.block_size + first:
+                    damaged.append(seq)
+                    break
+        for block_id in written:
             block = self.blocks[block_id]
             if block.hash != -1:
                 self._maybe_evict_cached_block(block)
                 block.update(-1, [], -1, -1)
-            if block.ref_count > 0:
-                held.add(block_id)
-        return held
+        return damaged
 
     def _maybe_evict_cached_block(self, block: Block) -> None:
         """Drop the index entry of a free block about to get new content (the stale-entry guard).
@@ -384,82 +321,21 @@ class BlockManager:
         and that entry is still good.
         """
         if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block.block_id:
-            self._del_index_entry(block.hash)
+            del self.hash_to_block_id[block.hash]
 
     def _deallocate_block(self, block: Block) -> None:
         # Hash and tokens stay: a freed block remains a cache entry until it is reused.
         self.used_block_ids.remove(block.block_id)
         self.free_block_ids.append(block.block_id)
-        log = self.undo_log
-        if log is not None:
-            log.record(lambda: self._undo_deallocate_block(block))
-
-    def _undo_deallocate_block(self, block: Block) -> None:
-        # The undone release was the newest entry of the free queue: it sits at the tail.
-        self.free_block_ids.pop()
-        self.used_block_ids.add(block.block_id)
 
     def _revive_block(self, block: Block) -> None:
         """A prefix hit on a free block still cached: take it out of the free queue, wherever it is."""
-        queue, block_id = self.free_block_ids, block.block_id
-        log = self.undo_log
-        if log is not None:   # the inverse puts it back right behind the block before it
-            if isinstance(queue, FreeBlockQueue):
-                log.record(lambda before=queue.before(block_id): self._undo_revive_block(block_id, before))
-            else:
-                log.record(lambda index=queue.index(block_id): self._undo_revive_block(block_id, index))
-        queue.remove(block_id)
-        self.used_block_ids.add(block_id)
-
-    def _undo_revive_block(self, block_id: int, place: int) -> None:
-        self.used_block_ids.remove(block_id)
-        if isinstance(self.free_block_ids, FreeBlockQueue):
-            self.free_block_ids.insert_after(place, block_id)
-        else:
-            self.free_block_ids.insert(place, block_id)
-
-    # The undo log's view of the other structures: each change records its inverse as it is made.
-
-    def _save(self, obj: Block | Sequence) -> None:
-        """Record the before-image of a block, or of a sequence's block bookkeeping."""
-        log = self.undo_log
-        if log is None:
-            return
-        if isinstance(obj, Block):
-            log.save(obj, "ref_count", "hash", "token_ids", "prefix_id", "parent_prefix_id", "cache_salt")
-        else:
-            log.save(obj, "block_table", "block_hashes", "num_cached_tokens")
-
-    def _set_index_entry(self, h: int, block_id: int) -> None:
-        if self.undo_log is not None:
-            self.undo_log.setitem(self.hash_to_block_id, h, block_id)
-        else:
-            self.hash_to_block_id[h] = block_id
-
-    def _del_index_entry(self, h: int) -> None:
-        if self.undo_log is not None:
-            self.undo_log.delitem(self.hash_to_block_id, h)
-        else:
-            del self.hash_to_block_id[h]
-
-    def _set_holder(self, seq: Sequence, holds: bool) -> None:
-        log = self.undo_log
-        if holds:
-            self._holders[seq.seq_id] = seq
-            if log is not None:
-                log.record(lambda: self._holders.pop(seq.seq_id))
-        else:
-            del self._holders[seq.seq_id]
-            if log is not None:
-                log.record(lambda: self._holders.__setitem__(seq.seq_id, seq))
+        self.free_block_ids.remove(block.block_id)
+        self.used_block_ids.add(block.block_id)
 
     def _record_admission(self, seq: Sequence) -> None:
         """Count the prefix-cache query and hits of ``seq``'s admission."""
-        stats, preempted = self.prefix_cache_stats, seq.num_preemptions > 0
-        queries, hits = seq.num_tokens, seq.num_cached_tokens
-        dropped = stats.record(queries, hits, preempted=preempted)
-        if self.undo_log is not None:
-            self.undo_log.record(lambda: stats.unrecord(queries, hits, preempted, dropped))
+        self.prefix_cache_stats.record(seq.num_tokens, seq.num_cached_tokens, preempted=seq.num_preemptions > 0)
 
     def _check_holder(self, seq: Sequence) -> None:
         """Refuse a sequence that does not hold blocks of this manager right now."""
@@ -507,15 +383,13 @@ class BlockManager:
         if needed > len(self.free_block_ids):
             raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {needed} free blocks, "
                                     f"{_free(len(self.free_block_ids))}")
-        self._save(seq)
-        self._set_holder(seq, True)
+        self._holders[seq.seq_id] = seq
         # Cached blocks first: a free one is taken out of the free queue before any fresh
         # block is popped, so the same allocation can never hand it out twice.
         for block_id in hit_block_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:  # free but still cached: revive it
                 self._revive_block(block)
-            self._save(block)
             block.ref_count += 1
             seq.block_table.append(block_id)
         for _ in range(seq.num_blocks - num_cached_blocks):
@@ -550,12 +424,9 @@ class BlockManager:
         if needed > len(self.free_block_ids):
             raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {needed} free block(s), "
                                     f"{_free(len(self.free_block_ids))}")
-        if needed:
-            self._save(seq)
         if self._needs_copy_on_write(seq):
             shared = self.blocks[seq.block_table[-1]]
             copy = self._allocate_block()
-            self._save(shared)
             shared.ref_count -= 1           # still >= 1: the other sharers keep it
             seq.block_table[-1] = copy.block_id
             return [(shared.block_id, copy.block_id)]
@@ -583,10 +454,8 @@ class BlockManager:
         bs = self.block_size
         needed = -(-(seq.num_tokens + num_lookahead_tokens) // bs) - len(seq.block_table)
         needed = min(max(needed, 0), len(self.free_block_ids))
-        if needed:
-            self._save(seq)
-            for _ in range(needed):
-                seq.block_table.append(self._allocate_block().block_id)
+        for _ in range(needed):
+            seq.block_table.append(self._allocate_block().block_id)
         return min(num_lookahead_tokens, len(seq.block_table) * bs - seq.num_tokens)
 
     def free_lookahead_slots(self, seq: Sequence) -> list[int]:
@@ -608,13 +477,11 @@ class BlockManager:
         extra = seq.block_table[keep:]
         if not extra:
             return []
-        self._save(seq)
         for block_id in reversed(extra):   # the last taken goes back first: the head ends as before
             block = self.blocks[block_id]
             if block.ref_count != 1 or block.hash != -1:
                 raise RuntimeError(f"lookahead block {block_id} of sequence {seq.seq_id} is shared or "
                                    f"registered (ref_count {block.ref_count}, hash {block.hash})")
-            self._save(block)
             block.ref_count = 0
             self._release_to_head(block)
         del seq.block_table[keep:]
@@ -627,13 +494,6 @@ class BlockManager:
     def _release_to_head(self, block: Block) -> None:
         self.used_block_ids.remove(block.block_id)
         self.free_block_ids.appendleft(block.block_id)
-        log = self.undo_log
-        if log is not None:
-            log.record(lambda: self._undo_release_to_head(block))
-
-    def _undo_release_to_head(self, block: Block) -> None:
-        self.free_block_ids.popleft()
-        self.used_block_ids.add(block.block_id)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` share every block of ``parent`` -- the partly filled last one too.
@@ -649,11 +509,9 @@ class BlockManager:
         if child.token_ids != parent.token_ids or child.num_cached_tokens != parent.num_cached_tokens:
             raise ValueError(f"sequence {child.seq_id} is not a copy of sequence {parent.seq_id} "
                              "(tokens or cached tokens differ); make it with parent.fork(index)")
-        self._save(child)
-        self._set_holder(child, True)
+        self._holders[child.seq_id] = child
         for block_id in parent.block_table:
             block = self.blocks[block_id]
-            self._save(block)
             block.ref_count += 1
         child.block_table[:] = parent.block_table
         child.block_hashes[:] = parent.block_hashes
@@ -666,14 +524,12 @@ class BlockManager:
         request -- is the last to be overwritten: the free queue acts as an LRU.
         """
         self._check_holder(seq)
-        self._save(seq)
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
-            self._save(block)
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._deallocate_block(block)
-        self._set_holder(seq, False)
+        del self._holders[seq.seq_id]
         seq.block_table.clear()
         seq.block_hashes.clear()
         seq.num_cached_tokens = 0
@@ -701,8 +557,6 @@ class BlockManager:
             raise ValueError(f"num_computed_tokens={num_computed_tokens!r}: sequence {seq.seq_id} has "
                              f"{seq.num_tokens} tokens, so between 0 and {seq.num_tokens} can be computed")
         num_full = min(num_computed_tokens // self.block_size, len(seq.block_table))
-        if num_full > len(seq.block_hashes):
-            self._save(seq)
         h = seq.block_hashes[-1] if seq.block_hashes else salt_hash(seq.cache_salt)
         for i in range(len(seq.block_hashes), num_full):
             token_ids = seq.block(i)
@@ -713,9 +567,8 @@ class BlockManager:
                 seq.block_hashes.append(h)
                 continue
             parent_prefix_id = self.blocks[seq.block_table[i - 1]].prefix_id if i else -1
-            self._save(block)
             block.update(h, token_ids, self._prefix_id_for(h, parent_prefix_id, token_ids, salt), parent_prefix_id, salt)
-            self._set_index_entry(h, block.block_id)
+            self.hash_to_block_id[h] = block.block_id
             seq.block_hashes.append(h)
 
     # ---------------------------------------------------------------- swapping (chapter 09)
@@ -738,8 +591,7 @@ class BlockManager:
         if seq.num_blocks > len(self.free_block_ids):
             raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {seq.num_blocks} free blocks to swap in, "
                                     f"{len(self.free_block_ids)} are free")
-        self._save(seq)
-        self._set_holder(seq, True)
+        self._holders[seq.seq_id] = seq
         for _ in range(seq.num_blocks):
             seq.block_table.append(self._allocate_block().block_id)
         seq.block_hashes.clear()

@@ -90,8 +90,8 @@ class FreeBlockQueue:
     def __repr__(self) -> str:
         return f"FreeBlockQueue({list(self)})"
 
-    # popleft and append run once per block handed out and per block released: they are written
-    # out in full rather than through _unlink and insert_after, which they equal.
+    # popleft and append run once per block handed out and per block released: written out in
+    # full, with the checks a wrong id needs folded into one test.
 
     def popleft(self) -> int:
         """Remove and return the block at the head (freed longest ago)."""
@@ -108,60 +108,33 @@ class FreeBlockQueue:
 
     def append(self, block_id: int) -> None:
         """Put ``block_id`` at the tail (it becomes the most recently freed)."""
-        prev, nxt = self._prev, self._next
-        if type(block_id) is not int or not 0 <= block_id < self.num_blocks or prev[block_id] != _NONE:
-            return self.insert_after(prev[self._tail], block_id)   # the checked way: it names what is wrong
-        before = prev[self._tail]
-        nxt[before] = block_id
-        prev[block_id] = before
-        nxt[block_id] = self._tail
-        prev[self._tail] = block_id
-        self._len += 1
+        self._link_after(self._prev[self._tail], block_id)
+
+    def appendleft(self, block_id: int) -> None:
+        """Put ``block_id`` at the head: it is handed out next (speculative decoding gives back
+        the blocks it just took there, chapter 14)."""
+        self._link_after(self._head, block_id)
 
     def remove(self, block_id: int) -> None:
         """Take ``block_id`` out of the queue wherever it is: O(1), unlike ``deque.remove``."""
         self._check_id(block_id)
         if self._prev[block_id] == _NONE:
             raise ValueError(f"block {block_id} is not in the free queue")
-        self._unlink(block_id)
-
-    # The inverses an undone step needs (course_pkg.undo): put a block back where it was.
-
-    def appendleft(self, block_id: int) -> None:
-        """Put ``block_id`` at the head (the inverse of ``popleft``)."""
-        self.insert_after(_NONE, block_id)
-
-    def pop(self) -> int:
-        """Remove and return the block at the tail (the inverse of ``append``)."""
-        if self._len == 0:
-            raise IndexError("pop from an empty FreeBlockQueue")
-        block_id = self._prev[self._tail]
-        self._unlink(block_id)
-        return block_id
-
-    def before(self, block_id: int) -> int:
-        """The block just ahead of ``block_id`` in the queue, or -1 if it is at the head."""
-        before = self._prev[block_id]
-        return _NONE if before == self._head else before
-
-    def insert_after(self, before: int, block_id: int) -> None:
-        """Put ``block_id`` right behind block ``before`` (-1 or the head sentinel: at the head).
-        ``append`` inserts behind the last block; an undone ``remove`` behind its old neighbour."""
-        self._check_id(block_id)
-        if self._prev[block_id] != _NONE:
-            raise ValueError(f"block {block_id} is already in the free queue")
-        if before == _NONE:
-            before = self._head
-        after = self._next[before]
-        self._next[before] = block_id
-        self._prev[block_id] = before
-        self._next[block_id] = after
-        self._prev[after] = block_id
-        self._len += 1
-
-    def _unlink(self, block_id: int) -> None:
         before, after = self._prev[block_id], self._next[block_id]
         self._next[before] = after
         self._prev[after] = before
         self._prev[block_id] = self._next[block_id] = _NONE
         self._len -= 1
+
+    def _link_after(self, before: int, block_id: int) -> None:
+        """Put ``block_id`` right behind ``before`` (a block in the queue, or the head sentinel)."""
+        prev, nxt = self._prev, self._next
+        if type(block_id) is not int or not 0 <= block_id < self.num_blocks or prev[block_id] != _NONE:
+            self._check_id(block_id)
+            raise ValueError(f"block {block_id} is already in the free queue")
+        after = nxt[before]
+        nxt[before] = block_id
+        prev[block_id] = before
+        nxt[block_id] = after
+        prev[after] = block_id
+        self._len += 1

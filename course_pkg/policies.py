@@ -11,8 +11,7 @@
   recompute when the pool is full.
 
 Both do their work through the Scheduler's routines (``_schedule_prompts``,
-``_schedule_decodes``, ``preempt``), which record every change in the step's undo log; a
-policy keeps no state of its own besides the CPU pool.
+``_schedule_decodes``, ``preempt``); a policy keeps no state of its own besides the CPU pool.
 """
 from __future__ import annotations
 
@@ -144,10 +143,10 @@ class Swap(PreemptionPolicy):
         return CpuBlockPool(self.num_cpu_blocks)
 
     def preempt(self, sched, seq, plan):
-        pool, bm, log = sched.cpu_pool, sched.block_manager, sched.undo_log
+        pool, bm = sched.cpu_pool, sched.block_manager
         num_blocks = -(-seq.num_cached_tokens // sched.block_size)   # the blocks holding computed K/V
         if not pool.can_swap_out(num_blocks):
-            log.add(sched.stats, "num_swap_fallbacks", 1)
+            sched.stats.num_swap_fallbacks += 1
             bm.deallocate(seq)
             return SequenceStatus.PREEMPTED
         device_blocks, num_computed = seq.block_table[:num_blocks], seq.num_cached_tokens
@@ -156,7 +155,7 @@ class Swap(PreemptionPolicy):
         # Safe although the freed blocks may be handed out again in this same step: the copies
         # run before the forward pass that writes them.
         plan.blocks_to_swap_out += zip(device_blocks, cpu_blocks)
-        log.add(sched.stats, "num_swapped_out", 1)
+        sched.stats.num_swapped_out += 1
         return SequenceStatus.SWAPPED
 
     def swap_in(self, sched, seq, plan):
@@ -165,8 +164,8 @@ class Swap(PreemptionPolicy):
             return False
         bm.allocate_for_swap_in(seq)
         plan.blocks_to_swap_in += zip(pool.block_table(seq.seq_id), seq.block_table)
-        sched.undo_log.setattr(seq, "num_cached_tokens", pool.num_computed_tokens(seq.seq_id))
-        sched.undo_log.add(sched.stats, "num_swapped_in", 1)
+        seq.num_cached_tokens = pool.num_computed_tokens(seq.seq_id)
+        sched.stats.num_swapped_in += 1
         return True
 
     def release(self, sched, seq):

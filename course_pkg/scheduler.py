@@ -15,12 +15,12 @@ registrations. Nothing else is read from the scheduler in between. ``update_from
 records the results: the tokens computed are cached now, sampled tokens are appended, the
 sequences that finished release their blocks.
 
-A step is a transaction (``course_pkg.undo``). ``schedule`` opens an undo log that every
-change of the step records its inverse in -- in the queues, the block manager, the CPU pool,
-the sequences, and (through the engine) the sampler's random generators -- and
-``update_from_output`` commits it. If anything raises in between, ``unschedule`` (or the
-failing call itself) plays the log backwards: the scheduler is exactly as before the step,
-and the same step can be scheduled again.
+A step is a transaction (``course_pkg.undo``): ``schedule`` opens it and
+``update_from_output`` commits it. The scheduler's journal records every change made in
+between -- to the queues, the block manager, the CPU pool, the sequences, the counters -- by
+itself: the code below is plain. If anything raises in between, ``unschedule`` (or the failing
+call itself) plays the journal backwards: the scheduler is exactly as before the step, and the
+same step can be scheduled again.
 
 Which prompts and decodes share a step is the *admission policy* (``scheduling``), what a
 preempted sequence gives up is the *preemption policy* (``preemption_mode``); both are small
@@ -31,16 +31,18 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from itertools import repeat
 
-from course_pkg.block_manager import BlockManager
+from course_pkg.block import Block
+from course_pkg.block_manager import BlockManager, PrefixCacheStats
+from course_pkg.free_block_queue import FreeBlockQueue
 from course_pkg.policies import (ADMISSION_POLICIES, PREEMPTION_POLICIES, AdmissionPolicy, PreemptionPolicy,
                                  make_admission_policy, make_preemption_policy)
 from course_pkg.sequence import Sequence, SequenceStatus, check_transition
 from course_pkg.swap import CpuBlockPool
-from course_pkg.undo import UndoLog
+from course_pkg.undo import Journal, journal_of, share
 from course_pkg.validation import check_bool, check_int, check_positive_int, check_token_ids, is_int
 
 SCHEDULING_POLICIES = tuple(ADMISSION_POLICIES)
@@ -216,6 +218,8 @@ class Scheduler:
         elif (block_manager.num_blocks, block_manager.block_size) != (num_kvcache_blocks, block_size):
             raise ValueError(f"block_manager has {block_manager.num_blocks} blocks of {block_manager.block_size} "
                              f"tokens, but num_kvcache_blocks={num_kvcache_blocks!r} and block_size={block_size!r}")
+        if journal_of(block_manager) is not None:
+            raise ValueError("block_manager belongs to another Scheduler already; give each Scheduler its own")
         if same_step_prefix_hits and not block_manager.enable_prefix_caching:
             raise ValueError("same_step_prefix_hits=True needs prefix caching: enable_prefix_caching is False")
         self.block_manager = block_manager
@@ -241,8 +245,11 @@ class Scheduler:
         self.same_step_prefix_hits = same_step_prefix_hits
         self.cpu_pool: CpuBlockPool | None = self.preemption.make_cpu_pool()
         self.num_steps = 0
-        self.undo_log: UndoLog | None = None   # open from schedule() until the step is recorded or undone
-        self._overwritten_by: UndoLog | None = None   # a rolled-back step whose clean-up is not done
+        self._overwritten: dict[int, int] | None = None   # K/V an undone step overwrote, not yet dealt with
+        # The step's transaction: from here on, every change to this scheduler and what it holds
+        # (the block manager, its blocks, the CPU pool, the sequences) is journaled by itself.
+        self.journal = Journal(follow=STEP_STATE)
+        self.journal.adopt(self)
 
     @property
     def scheduling(self) -> str:
@@ -338,19 +345,13 @@ class Scheduler:
         if not self.holds(seq):
             raise ValueError(f"sequence {seq.seq_id} is not held by this scheduler "
                              f"(never added, or already finished)")
-        self._check_no_open_step("abort a request")
-        log = self._open()
-        try:
+        with self._transaction(opens="abort a request", commits=True):
             if seq.block_table:
                 self.block_manager.deallocate(seq)
             self.preemption.release(self, seq)
-            log.setattr(seq, "num_scheduled_tokens", 0)
-            log.remove(self.running if seq in self.running else self.waiting, seq)
+            seq.num_scheduled_tokens = 0
+            (self.running if seq in self.running else self.waiting).remove(seq)
             self._set_status(seq, SequenceStatus.FINISHED_ABORTED)
-        except BaseException:
-            self._close(rollback=True)
-            raise
-        self._close()
 
     # ---------------------------------------------------------------- one step
 
@@ -360,12 +361,8 @@ class Scheduler:
         Each scheduled sequence also has ``num_scheduled_tokens`` set. The batch is empty only
         when no request waits or runs. If this raises, nothing has changed.
         """
-        self._check_no_open_step("schedule a new step")
-        log = self._open()
-        try:
+        with self._transaction(opens="schedule a new step"):
             plan = StepPlan()
-            # Between steps every sequence has num_scheduled_tokens == 0: one entry undoes them all.
-            log.record(partial(_unschedule_tokens, plan.seqs))
             self.admission.schedule(self, plan)
             if self.num_lookahead_tokens:
                 self._schedule_lookahead(plan)
@@ -387,9 +384,6 @@ class Scheduler:
                 if self.num_lookahead_tokens else (),
                 scheduled_spec_decode_tokens=tuple(tuple(plan.spec_tokens.get(id(s), ())) for s in plan.seqs)
                 if self.proposer is not None else ())
-        except BaseException:
-            self._close(rollback=True)
-            raise
         return out
 
     def _schedule_prompts(self, plan: StepPlan, budget: int) -> int:
@@ -413,9 +407,9 @@ class Scheduler:
             num_tokens += seq.num_scheduled_tokens
             if seq.num_scheduled_tokens < num_new_tokens:
                 break   # chunked: the budget is spent
-            self.undo_log.remove(self.waiting, seq)
-            self.undo_log.append(self.running, seq)
-        self.undo_log.add(self.stats, "prefill_kv_computed_tokens", num_tokens)
+            self.waiting.remove(seq)
+            self.running.append(seq)
+        self.stats.prefill_kv_computed_tokens += num_tokens
         return num_tokens
 
     def _prompt_order(self) -> list[Sequence]:
@@ -498,7 +492,7 @@ class Scheduler:
                 plan.lookahead[id(seq)] = granted
                 if self.proposer is not None:
                     plan.spec_tokens[id(seq)] = drafts[:granted]
-                seq.num_scheduled_tokens += granted   # (undone with the step's other counts)
+                seq.num_scheduled_tokens += granted
                 total += granted
         return total
 
@@ -510,14 +504,13 @@ class Scheduler:
     def preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Free a running ``seq``'s device blocks and put it first in line. The preemption
         policy decides what it keeps: nothing (recompute) or a CPU copy of its K/V (swap)."""
-        log = self.undo_log
         status = self.preemption.preempt(self, seq, plan)
-        log.remove(self.running, seq)
+        self.running.remove(seq)
         self._set_status(seq, status)
-        log.setattr(seq, "num_scheduled_tokens", 0)
-        log.add(seq, "num_preemptions", 1)
-        log.appendleft(self.waiting, seq)
-        log.add(self.stats, "num_preemptions", 1)
+        seq.num_scheduled_tokens = 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self.stats.num_preemptions += 1
         plan.preempted.append(seq)
 
     def _admit(self, seq: Sequence, plan: StepPlan) -> bool:
@@ -541,7 +534,7 @@ class Scheduler:
         """``seq`` computes ``num_tokens`` tokens in this step (its decode token, or prompt
         tokens); with ``same_step_prefix_hits`` the blocks they fill are registered now, so
         later sequences of this step can hit them."""
-        seq.num_scheduled_tokens = num_tokens   # (undone for the whole step at once: see schedule)
+        seq.num_scheduled_tokens = num_tokens
         plan.seqs.append(seq)
         if decode:
             plan.num_decode_seqs += 1
@@ -560,11 +553,11 @@ class Scheduler:
 
     def _count_step(self, plan: StepPlan) -> None:
         if plan.num_prompt_seqs and plan.num_decode_seqs:
-            self.undo_log.add(self.stats, "num_mixed_steps", 1)
+            self.stats.num_mixed_steps += 1
         elif plan.num_prompt_seqs:
-            self.undo_log.add(self.stats, "num_prefill_steps", 1)
+            self.stats.num_prefill_steps += 1
         elif plan.num_decode_seqs:
-            self.undo_log.add(self.stats, "num_decode_steps", 1)
+            self.stats.num_decode_steps += 1
 
     # ---------------------------------------------------------------- the step's results
 
@@ -580,24 +573,17 @@ class Scheduler:
         """
         out = scheduler_output
         self._check_step_is_open(out)
-        try:
+        with self._transaction(commits=True):
             token_ids, logprobs = _results(model_runner_output)
             self._check_results(out, token_ids, logprobs)
             drafts = self._check_drafts(out, token_ids, getattr(model_runner_output, "draft_token_ids", None))
-            finished = self._record(out, token_ids, logprobs, drafts)
-        except BaseException:
-            self._close(rollback=True)
-            raise
-        self._close()
-        return finished
+            return self._record(out, token_ids, logprobs, drafts)
 
     def _record(self, out: SchedulerOutput, token_ids, logprobs, drafts=None) -> list[Sequence]:
-        log, bm = self.undo_log, self.block_manager
+        bm = self.block_manager
         finished: list[Sequence] = []
         num_generated = 0
         for i, seq in enumerate(out.seqs):
-            log.record(partial(seq.restore_progress, seq.num_cached_tokens, seq.num_scheduled_tokens,
-                               seq.num_tokens, seq.cumulative_logprob))
             if out.num_lookahead_tokens and out.num_lookahead_tokens[i]:
                 num_generated += self._record_speculative(seq, token_ids[i], logprobs and logprobs[i],
                                                           drafts[i], finished)
@@ -611,15 +597,14 @@ class Scheduler:
             group = ([seq] + self._fork(seq, len(tokens) - 1)) if out.num_samples[i] > 1 else [seq]
             num_generated += len(tokens)
             for s, t, lp in zip(group, tokens, logprobs[i] if logprobs is not None else repeat(0.0)):
-                # (a fork made just now is dropped whole by the undo: its parent's is enough)
                 s.append_token(t)
                 s.cumulative_logprob += lp
                 status = self._finish_status(s, t)
                 if status is not None:
-                    log.remove(self.running, s)
+                    self.running.remove(s)
                     self._set_status(s, status)
                     finished.append(s)
-        log.add(self.stats, "generation_tokens", num_generated)
+        self.stats.generation_tokens += num_generated
         # Speculation: blocks past the last verified token (rejected drafts, unused slots) go back.
         for seq, lookahead in zip(out.seqs, out.num_lookahead_tokens):
             if lookahead:
@@ -631,7 +616,7 @@ class Scheduler:
         for seq in finished:
             bm.deallocate(seq)
         self.preemption.step_done(self, out)
-        log.add(self, "num_steps", 1)
+        self.num_steps += 1
         return finished
 
     def _record_speculative(self, seq: Sequence, tokens: list[int], logprobs, drafts: list[int],
@@ -645,7 +630,6 @@ class Scheduler:
         (``free_lookahead_slots`` gives back the blocks that hold no verified token). A token that
         finishes the request ends it there; what verification accepted after it is dropped.
         """
-        log = self.undo_log
         seq.num_scheduled_tokens = 0
         appended = 0
         for t, lp in zip(tokens, logprobs if logprobs else repeat(0.0)):
@@ -654,7 +638,7 @@ class Scheduler:
             appended += 1
             status = self._finish_status(seq, t)
             if status is not None:
-                log.remove(self.running, seq)
+                self.running.remove(seq)
                 self._set_status(seq, status)
                 finished.append(seq)
                 break
@@ -664,26 +648,22 @@ class Scheduler:
         return appended
 
     def _count_draft(self, num_draft_tokens: int, num_accepted: int) -> None:
-        stats, log = self.spec_decoding_stats, self.undo_log
-        log.add(stats, "num_drafts", 1)
-        log.add(stats, "num_draft_tokens", num_draft_tokens)
-        log.add(stats, "num_accepted_tokens", num_accepted)
-        per_pos = stats.num_accepted_tokens_per_pos
+        stats = self.spec_decoding_stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_draft_tokens
+        stats.num_accepted_tokens += num_accepted
         for pos in range(num_accepted):
-            per_pos[pos] += 1
-            log.record(partial(_decrement, per_pos, pos))
+            stats.num_accepted_tokens_per_pos[pos] += 1
 
     def _fork(self, seq: Sequence, num_children: int) -> list[Sequence]:
         """Completions 1 .. num_children of ``seq``'s request: forks sharing its blocks, placed
         right after it in ``running`` (a group is preempted from its newest member on)."""
-        first_id = Sequence._ids.next
         children = [seq.fork(j) for j in range(1, num_children + 1)]
-        self.undo_log.record(partial(Sequence._ids.give_back, first_id, Sequence._ids.next))
         at = self.running.index(seq) + 1
         for j, child in enumerate(children):
             self.block_manager.fork(seq, child)
-            self.undo_log.insert(self.running, at + j, child)
-        self.undo_log.setattr(seq, "children", children)
+            self.running.insert(at + j, child)
+        seq.children = children
         return children
 
     def _finish_status(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
@@ -738,87 +718,88 @@ class Scheduler:
                                  f"{list(d)} followed by one token")
         return [list(d) for d in drafts]
 
-    def unschedule(self, scheduler_output: SchedulerOutput | None = None) -> None:
+    def unschedule(self, scheduler_output: SchedulerOutput | None = None,
+                   overwritten: dict[int, int] | None = None) -> None:
         """Undo the open step (its results will not be recorded: the model or the sampler
         raised): every change since ``schedule`` is rolled back, and the next ``schedule``
         decides the same step again. Also finishes a rollback that was interrupted. Does
         nothing when no step is open. (``scheduler_output`` names the step for the reader; a
-        scheduler has one open step at most.)"""
-        if self.undo_log is not None:
-            self._close(rollback=True)
+        scheduler has one open step at most.)
+
+        ``overwritten``: the K/V slots the step wrote before it failed (``ModelRunner.abort_step``),
+        ``{block id: first offset written}``. A journal cannot give memory back: those blocks
+        lose their prefix-cache entries, and a sequence whose computed tokens were overwritten
+        -- a victim the step had preempted and whose blocks it handed on -- is preempted for
+        real, by recompute.
+        """
+        if self.journal.recording:
+            self.journal.rollback()
+        if overwritten:
+            self._overwritten = dict(overwritten)
         self._forget_overwritten()
 
     # ---------------------------------------------------------------- the transaction
 
-    def _open(self) -> UndoLog:
-        log = UndoLog()
-        self._attach(log)
-        return log
-
-    def _close(self, rollback: bool = False) -> None:
-        """Commit or roll back the open transaction, then stop recording."""
-        log = self.undo_log
-        if not rollback:
-            log.commit()
-            self._attach(None)
-            return
-        log.rollback()   # if interrupted, the log stays open and unschedule() carries on
-        self._attach(None)
-        self._overwritten_by = log   # until _forget_overwritten has run to its end
-        self._forget_overwritten()
+    @contextmanager
+    def _transaction(self, *, opens: str | None = None, commits: bool = False):
+        """One part of a step's transaction: ``opens`` (what is about to happen, for the error
+        when a step is open already) begins it, ``commits`` ends it; an exception in the part
+        undoes the whole step and is re-raised."""
+        if opens is not None:
+            self._check_no_open_step(opens)
+            self.journal.begin()
+        try:
+            yield
+        except BaseException:
+            self.journal.rollback()   # if interrupted, the journal stays open: unschedule() carries on
+            raise
+        if commits:
+            self.journal.commit()
 
     def _forget_overwritten(self) -> None:
-        """After a rollback (``UndoLog.kv_written``): the blocks the undone step overwrote lose
-        their cache entries, and a sequence holding one again -- a victim the step had
-        preempted and handed its blocks on -- is preempted for real, by recompute: the one
-        change a rollback cannot avoid. Each part can run again, so an interrupted call is
-        finished by the next ``unschedule`` or ``schedule``."""
-        log = self._overwritten_by
-        if log is None:
+        """Deal with the K/V an undone step overwrote (see ``unschedule``): the one change a
+        rollback cannot avoid. Each part can run again, so an interrupted call is finished by
+        the next ``unschedule`` or ``schedule``."""
+        written = self._overwritten
+        if written is None:
             return
-        held = self.block_manager.forget_overwritten(log)
-        for seq in [s for s in reversed(self.running) if held.intersection(s.block_table)]:   # newest first
+        damaged = {id(s) for s in self.block_manager.forget_overwritten(written)}
+        running = [s for s in reversed(self.running) if id(s) in damaged]   # newest first
+        chunked = [s for s in self.waiting if id(s) in damaged]   # a prompt part-way through its chunks
+        for seq in running + chunked:
             self.block_manager.deallocate(seq)
-            self.running.remove(seq)
             check_transition(seq, SequenceStatus.PREEMPTED)
             seq.status = SequenceStatus.PREEMPTED
             seq.num_preemptions += 1
             self.stats.num_preemptions += 1
-            self.waiting.appendleft(seq)
-        self._overwritten_by = None
-
-    def _attach(self, log: UndoLog | None) -> None:
-        """Make ``log`` the undo log of every structure a step changes."""
-        self.undo_log = log
-        self.block_manager.undo_log = log
-        if self.cpu_pool is not None:
-            self.cpu_pool.undo_log = log
+            if seq in running:
+                self.running.remove(seq)
+                self.waiting.appendleft(seq)
+        self._overwritten = None
 
     def _check_no_open_step(self, action: str) -> None:
         self._forget_overwritten()   # (the end of an interrupted rollback's clean-up, if any)
-        if self.undo_log is not None:
+        if self.journal.recording:
             raise RuntimeError(f"cannot {action}: a step is open (schedule() was called); record it with "
                                f"update_from_output() or undo it with unschedule() first")
 
     def _check_step_is_open(self, out: SchedulerOutput) -> None:
         if not isinstance(out, SchedulerOutput):
             raise TypeError(f"expected the SchedulerOutput of schedule(), got {type(out).__name__}")
-        if self.undo_log is None or out.step != self.num_steps:
+        if not self.journal.recording or out.step != self.num_steps:
             raise ValueError(f"step {out.step} is not the open step of this scheduler (its results were "
                              f"recorded or undone already, or it was never scheduled here)")
 
     def _set_status(self, seq: Sequence, status: SequenceStatus) -> None:
         check_transition(seq, status)
-        self.undo_log.setattr(seq, "status", status)
+        seq.status = status
 
 
-def _decrement(counts: list[int], index: int) -> None:
-    counts[index] -= 1
-
-
-def _unschedule_tokens(seqs: list[Sequence]) -> None:
-    for seq in seqs:
-        seq.num_scheduled_tokens = 0
+#: What a step may change: the journal enrols the instances of these classes (subclasses too)
+#: that a Scheduler holds, and nothing else.
+STEP_STATE = (Scheduler, SchedulerStats, SpecDecodingStats, BlockManager, Block, FreeBlockQueue, PrefixCacheStats,
+              CpuBlockPool, Sequence)
+share(Sequence._ids)   # the ids of new sequences: a fork undone gives its id back
 
 
 def _results(model_runner_output):

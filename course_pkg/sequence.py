@@ -84,7 +84,7 @@ class Sequence:
     how many tokens the current step computes. Each sequence knows its own ``block_size``.
     """
 
-    _ids: "SequenceIds"   # (set below the class) ids in order, once; an undone fork gives its back
+    _ids: "SequenceIds"   # (set below the class) ids in order, each once
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
                  block_size: int = 16, cache_salt: str | None = None):
@@ -196,15 +196,6 @@ class Sequence:
             raise IndexError(f"logical block {i} out of range: sequence has {self.num_blocks} blocks")
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
-    def restore_progress(self, num_cached_tokens: int, num_scheduled_tokens: int, num_tokens: int,
-                         cumulative_logprob: float) -> None:
-        """Set the step's counters back and drop the tokens appended since (an undone step)."""
-        self.num_cached_tokens = num_cached_tokens
-        self.num_scheduled_tokens = num_scheduled_tokens
-        del self.token_ids[num_tokens:]
-        self.num_tokens = num_tokens
-        self.cumulative_logprob = cumulative_logprob
-
     def append_token(self, token_id: int) -> None:
         if type(token_id) is not int or token_id < 0:   # (is_int, inlined: called once per token)
             raise ValueError(f"sequence {self.seq_id}: cannot append {token_id!r}, a token id is an integer >= 0")
@@ -225,11 +216,6 @@ class SequenceIds:
     def take(self) -> int:
         seq_id, self.next = self.next, self.next + 1
         return seq_id
-
-    def give_back(self, first: int, end: int) -> None:
-        """Undo handing out ``first .. end - 1`` (an undone fork), if they were the last ones."""
-        if self.next == end:
-            self.next = first
 
 
 Sequence._ids = SequenceIds()

@@ -26,7 +26,6 @@ class CpuBlockPool:
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         # seq_id -> (CPU block ids in logical order, tokens whose K/V they hold)
         self.swapped: dict[int, tuple[list[int], int]] = {}
-        self.undo_log = None   # the running step's UndoLog, if any (course_pkg.undo)
 
     @property
     def num_free_blocks(self) -> int:
@@ -52,13 +51,7 @@ class CpuBlockPool:
                              f"{len(self.free_block_ids)} are free")
         block_ids = [self.free_block_ids.popleft() for _ in range(num_blocks)]
         self.swapped[seq_id] = (block_ids, num_computed_tokens)
-        if self.undo_log is not None:
-            self.undo_log.record(lambda: self._undo_swap_out(seq_id))
         return list(block_ids)
-
-    def _undo_swap_out(self, seq_id: int) -> None:
-        block_ids, _ = self.swapped.pop(seq_id)
-        self.free_block_ids.extendleft(reversed(block_ids))
 
     def block_table(self, seq_id: int) -> list[int]:
         return list(self.swapped[seq_id][0])
@@ -71,13 +64,6 @@ class CpuBlockPool:
         turned into a recomputation)."""
         entry = self.swapped.pop(seq_id)
         self.free_block_ids.extend(entry[0])
-        if self.undo_log is not None:
-            self.undo_log.record(lambda: self._undo_release(seq_id, entry))
-
-    def _undo_release(self, seq_id: int, entry: tuple[list[int], int]) -> None:
-        for _ in entry[0]:
-            self.free_block_ids.pop()
-        self.swapped[seq_id] = entry
 
     def describe(self) -> str:
         """Deterministic text: each swapped sequence's CPU blocks, then the free queue."""

@@ -1,132 +1,743 @@
-"""The undo log: one engine step is a transaction (chapter 06; ARCHITECTURE.md, "The step").
+"""The journal: one engine step is a transaction (chapter 06; ARCHITECTURE.md, "The journal").
 
 A step changes a lot in place: the scheduler's queues and counters, every block's ref count,
 the free queue, the prefix-cache index, the CPU block pool, the sequences' block tables and
-tokens, the random generators of the sampler. If anything raises half-way -- the model, the
-sampler, a bug, a KeyboardInterrupt -- a step left half done corrupts the engine for good.
+tokens. If anything raises half-way -- the model, the sampler, a bug, a KeyboardInterrupt -- a
+step left half done corrupts the engine for good.
 
-Databases met this problem long ago and solved it with an *undo log*: with each change,
-write down how to reverse it; if the transaction fails, play the log backwards; if it
-succeeds, throw the log away. The step does the same. Every mutation a step makes goes
-through one of the few primitives below (or, for a change with no generic inverse, records
-its own with ``record``), and ``rollback`` undoes them newest first, so each inverse runs on
-exactly the state its change left behind: a queue's tail is still the block an undone
-release appended, a revived block's old neighbour is still in the queue.
+Databases met this problem long ago and solved it with an *undo log*: before a transaction
+changes a page, it writes the page's before-image to the log; if the transaction fails, the
+log is played backwards; if it succeeds, the log is thrown away. This module does the same for
+Python objects, and it does it *by itself*: the code the chapters teach (``block.py``,
+``sequence.py``, ``free_block_queue.py``, ``block_manager.py``, the scheduler's decisions) is
+plain Python that knows nothing of it.
 
-What is covered: any exception raised by a call made during the step (the tests raise one
-at the k-th call of every function involved). A KeyboardInterrupt that lands between a change
-and its record -- inside one primitive, between two bytecodes -- is not. Inverses capture the
-values they restore when they are recorded (``partial``, or a lambda's default argument).
+* ``adopt(obj, journal)`` enrols an object: its class is swapped for a subclass (same name,
+  same fields) whose ``__setattr__`` writes the attribute's old value to the journal before
+  it writes the new one, and every list, dict, set, deque or array it holds is swapped for a
+  journaled copy whose mutating methods write how to reverse them first (``append`` -> "cut
+  back to this length", ``d[k] = v`` -> "put the old value back", ``remove`` -> "put it back
+  at its place"). What an enrolled object takes in later -- a sequence put into a queue, a
+  list assigned to a field -- is enrolled with it, so the whole reachable state stays
+  journaled. Only instances of the classes named by ``follow`` are enrolled (the scheduler
+  names the core's: a step changes nothing else).
+* ``Journal.begin`` starts recording; ``commit`` forgets the log; ``rollback`` runs it
+  backwards, newest first, so each inverse meets exactly the state its change left behind.
 
-Outside a step nothing is recorded: the block manager and the scheduler keep ``undo_log =
-None`` and pay one ``is None`` test per change.
+Every record is written *before* its change (write-ahead), and every inverse is idempotent: it
+puts back a saved value or cuts back to a saved length. So an interrupt that lands between a
+record and its change is harmless (undoing a change that did not happen restores what is there
+already), and ``rollback`` runs an inverse before it drops it from the log: a rollback cut
+short by a second fault is simply run again. Outside a transaction an enrolled object pays one
+test per change; objects never enrolled (a BlockManager of chapters 02-04 on its own) pay
+nothing at all.
+
+What no undo log can give back is memory: the K/V a step wrote into the cache. The model
+runner knows which slots it wrote (``ModelRunner.abort_step``); after a rollback the blocks
+they belong to lose their cache entries and a sequence whose computed tokens were overwritten
+is recomputed (``BlockManager.forget_overwritten``).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
+import copyreg
+import threading
+import weakref
+from array import array
+from collections import deque
+from contextlib import contextmanager
 from typing import Any
 
 _MISSING = object()
+_SCALARS = frozenset({int, float, bool, str, bytes, type(None), tuple, frozenset, complex})
+_open = threading.local()   # .journals: the journals recording on this thread (weakly held)
 
 
-def _restore(obj: Any, names: tuple[str, ...], values: list) -> None:
-    """Write a before-image back (``UndoLog.save``); lists in place."""
-    for name, value in zip(names, values):
-        if type(value) is list:
-            getattr(obj, name)[:] = value
-        else:
-            setattr(obj, name, value)
+def _open_journals() -> weakref.WeakSet:
+    journals = getattr(_open, "journals", None)
+    if journals is None:
+        journals = _open.journals = weakref.WeakSet()
+    return journals
 
 
-class UndoLog:
-    """The inverses of a transaction's changes, newest last; ``rollback`` runs them backwards.
+class Journal:
+    """The undo log of one engine (or of one ``transaction``): the inverses of the open
+    transaction's changes, oldest first.
 
-    One thing an undo log cannot give back is memory the step overwrote. ``kv_written`` is set
-    by whoever owns the KV tensors just before the step first writes into them (block copies,
-    swap-ins, the forward pass), and ``new_blocks`` lists the device blocks the step took from
-    the free queue for new content. Once ``kv_written``, those blocks' old K/V are gone: after
-    the rollback their prefix-cache entries are dropped, and a sequence that holds one again
-    (a victim the step had preempted) is recomputed (``BlockManager.forget_overwritten``).
+    ``follow``: the classes whose instances ``adopt`` enrols, met as fields of an enrolled object
+    or as items of its containers (subclasses included).
     """
 
-    __slots__ = ("_undo", "kv_written", "new_blocks")
-
-    def __init__(self) -> None:
-        self._undo: list[Callable[[], Any]] = []
-        self.kv_written = False
-        self.new_blocks: list[int] = []
+    def __init__(self, follow: tuple[type, ...] = ()):
+        self.follow = tuple(follow)
+        self.recording = False
+        self._log: list[tuple] = []
+        self._saved: list[Any] = []   # objects whose before-image this transaction holds (see _save)
+        self._classes: dict[type, type | None] = {}   # class -> its watched subclass (None: not followed)
 
     def __len__(self) -> int:
-        return len(self._undo)
+        return len(self._log)
 
-    def record(self, undo: Callable[[], Any]) -> None:
-        """Remember ``undo``, a call that reverses the change just made."""
-        self._undo.append(undo)
+    def __repr__(self) -> str:
+        return f"Journal({'open' if self.recording else 'closed'}, {len(self._log)} entries)"
 
-    def rollback(self) -> None:
-        """Undo every recorded change, newest first; the log is empty afterwards.
+    # ------------------------------------------------------------ the transaction
 
-        Each inverse is taken off the log before it runs, so a rollback interrupted part-way
-        can be called again and carries on where it stopped.
-        """
-        undo = self._undo
-        while undo:
-            undo.pop()()
+    def begin(self) -> None:
+        """Start recording every change of the enrolled objects."""
+        if self.recording:
+            raise RuntimeError("this journal's transaction is open already")
+        self._unsave(refresh=True)   # (what an interrupted close left behind)
+        self.recording = True
+        _open_journals().add(self)
 
     def commit(self) -> None:
         """The transaction succeeded: forget how to undo it."""
-        self._undo.clear()
+        self.recording = False
+        self._log.clear()
+        self._unsave(refresh=True)
+        _open_journals().discard(self)
 
-    # ---------------------------------------------------------------- the primitives
+    def rollback(self) -> None:
+        """Undo every recorded change, newest first, and close the transaction.
 
-    def save(self, obj: Any, *names: str) -> None:
-        """Record ``obj``'s attributes ``names`` as they are now (their before-image).
-
-        Lists are copied, and restored in place, so every holder of the list sees it undone.
+        Each inverse runs before it leaves the log, and every inverse may run twice: a rollback
+        interrupted part-way is finished by calling it again (the journal stays open until then).
         """
-        values = [getattr(obj, name) for name in names]
-        self._undo.append(partial(_restore, obj, names, [v[:] if type(v) is list else v for v in values]))
+        log = self._log
+        while log:
+            undo, *args = log[-1]
+            undo(*args)
+            log.pop()
+        self.recording = False
+        self._unsave(refresh=False)
+        _open_journals().discard(self)
 
-    def setattr(self, obj: Any, name: str, value: Any) -> None:
-        """``obj.name = value``, undoable."""
-        old = getattr(obj, name)
-        setattr(obj, name, value)
-        self._undo.append(lambda: setattr(obj, name, old))
+    # ------------------------------------------------------------ before-images
 
-    def add(self, obj: Any, name: str, delta: int) -> None:
-        """``obj.name += delta`` (a counter), undoable."""
-        setattr(obj, name, getattr(obj, name) + delta)
-        self._undo.append(lambda: setattr(obj, name, getattr(obj, name) - delta))
+    def _save(self, obj: Any) -> None:
+        """``obj``'s first change in this transaction: write its before-image (every field; the
+        containers it holds journal themselves), then let it change freely until the
+        transaction ends -- its class becomes the unwatched twin, so later writes cost nothing."""
+        cls = type(obj)
+        self._log.append((_restore_object, obj, obj.__dict__.copy() if cls._has_dict else None,
+                          cls._get_slots(obj) if cls._slot_names else ()))
+        self._saved.append(obj)
+        object.__setattr__(obj, "__class__", cls._unwatched)
 
-    def append(self, items, item) -> None:
-        """``items.append(item)`` (a list or a deque), undoable."""
-        items.append(item)
-        self._undo.append(items.pop)
+    def _unsave(self, refresh: bool) -> None:
+        """Watch the saved objects again. After a commit (``refresh``), a container or object
+        assigned to one of their fields while unwatched is enrolled now."""
+        saved = self._saved
+        while saved:
+            obj = saved[-1]
+            cls = type(obj)
+            if refresh:
+                for name in cls._references:
+                    value = getattr(obj, name, None)
+                    if type(value) in _CONTAINERS:
+                        object.__setattr__(obj, name, _adopt(self, value))
+            object.__setattr__(obj, "__class__", cls._watched)
+            saved.pop()
 
-    def appendleft(self, items, item) -> None:
-        """``items.appendleft(item)`` (a deque), undoable."""
-        items.appendleft(item)
-        self._undo.append(items.popleft)
+    # ------------------------------------------------------------ enrolment
 
-    def insert(self, items, index: int, item) -> None:
-        """``items.insert(index, item)``, undoable."""
-        items.insert(index, item)
-        self._undo.append(lambda: items.__delitem__(index))
+    def adopt(self, obj: Any) -> Any:
+        """Enrol ``obj`` (and what it holds) in this journal; returns it. Objects that are not
+        instances of a followed class, or are enrolled already, are returned as they are."""
+        return _adopt(self, obj)
 
-    def remove(self, items, item) -> None:
-        """``items.remove(item)``, undoable: it comes back at the place it had."""
-        index = items.index(item)
-        del items[index]
-        self._undo.append(lambda: items.insert(index, item))
+    def journaled_class(self, cls: type) -> type | None:
+        """``cls``'s journaled subclass in this journal, made on first use; None if ``cls`` is
+        not followed (or is itself journaled)."""
+        try:
+            return self._classes[cls]
+        except KeyError:
+            pass
+        if getattr(cls, "_journal", None) is not None or not issubclass(cls, self.follow):
+            sub = None
+        else:
+            shared = {"__slots__": (), "_journal": self, "__reduce_ex__": _reduce_as_plain,
+                      "__module__": cls.__module__, "_has_dict": cls.__dictoffset__ != 0,
+                      "_slot_names": tuple(_slot_names(cls)), "_references": set()}
+            shared["_get_slots"] = _slot_getter(shared["_slot_names"])
+            sub = type(cls.__name__, (cls,), {**shared, "__setattr__": _first_change})
+            twin = type(cls.__name__, (cls,), shared)   # the same, unwatched: for a saved object
+            for c in (sub, twin):
+                c.__qualname__, c._watched, c._unwatched = cls.__qualname__, sub, twin
+            twin._references = sub._references
+            self._classes[cls] = self._classes[sub] = self._classes[twin] = None
+        self._classes[cls] = sub
+        return sub
 
-    def setitem(self, mapping, key, value) -> None:
-        """``mapping[key] = value`` (a dict), undoable."""
-        old = mapping.get(key, _MISSING)
-        mapping[key] = value
-        self._undo.append(lambda: mapping.pop(key) if old is _MISSING else mapping.__setitem__(key, old))
 
-    def delitem(self, mapping, key) -> None:
-        """``del mapping[key]`` (a dict), undoable."""
-        old = mapping.pop(key)
-        self._undo.append(lambda: mapping.__setitem__(key, old))
+def _adopt(journal: Journal, obj: Any) -> Any:
+    """Enrol ``obj``: swap its class and journal its containers (see the module docstring)."""
+    cls = type(obj)
+    if cls in _SCALARS:
+        return obj
+    container = _CONTAINERS.get(cls)
+    if container is not None:
+        return container(journal, obj)
+    sub = journal.journaled_class(cls)
+    if sub is None:
+        return obj
+    object.__setattr__(obj, "__class__", sub)
+    if sub._has_dict:   # a dict of its own: the one it had is laid out for its old class (slow to read)
+        object.__setattr__(obj, "__dict__", dict(obj.__dict__))
+    for name in list(getattr(obj, "__dict__", ())) + list(sub._slot_names):
+        value = getattr(obj, name, _MISSING)
+        if value is not _MISSING and type(value) not in _SCALARS:
+            adopted = _adopt(journal, value)
+            if adopted is not value:
+                object.__setattr__(obj, name, adopted)
+            if adopted is not value or getattr(type(adopted), "_journal", None) is journal:
+                sub._references.add(name)   # a field that holds a container or an enrolled object
+    return obj
+
+
+def _slot_names(cls: type) -> list[str]:
+    names = []
+    for klass in cls.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else [s for s in slots if s not in ("__dict__", "__weakref__")]
+    return names
+
+
+def _first_change(self, name: str, value: Any) -> None:
+    """``__setattr__`` of an enrolled object that has not changed in the open transaction."""
+    journal = self._journal
+    if journal.recording:
+        journal._save(self)
+    if type(value) not in _SCALARS:
+        adopted = _adopt(journal, value)
+        if adopted is not value or getattr(type(adopted), "_journal", None) is journal:
+            type(self)._references.add(name)
+        value = adopted
+    object.__setattr__(self, name, value)
+
+
+def _slot_getter(names: tuple[str, ...]):
+    """``obj -> tuple of its slots' values`` (``_MISSING`` for an empty one), in C where it can."""
+    def get(obj):
+        return tuple(getattr(obj, name, _MISSING) for name in names)
+    return get
+
+
+def _restore_object(obj: Any, fields: dict | None, slots: tuple) -> None:
+    if fields is not None:
+        obj.__dict__.clear()
+        obj.__dict__.update(fields)
+    for name, value in zip(type(obj)._slot_names, slots):
+        _restore_attribute(obj, name, value)
+
+
+def _reduce_as_plain(self, protocol):
+    """Copies (``copy``, ``deepcopy``, pickle) of an enrolled object are plain objects."""
+    rv = object.__reduce_ex__(self, protocol)
+    if isinstance(rv, tuple) and rv and rv[0] is copyreg.__newobj__:
+        rv = (rv[0], (type(self).__mro__[1],) + tuple(rv[1][1:])) + tuple(rv[2:])
+    return rv
+
+
+def _restore_attribute(obj: Any, name: str, old: Any) -> None:
+    if old is _MISSING:
+        if hasattr(obj, name):
+            object.__delattr__(obj, name)
+    else:
+        object.__setattr__(obj, name, old)
+
+
+# ---------------------------------------------------------------- journaled containers
+#
+# Each mutating method writes its inverse first, then calls the plain method. The cheap,
+# frequent changes get an exact inverse (a length to cut back to, an old value to put back);
+# the rare ones save a copy of the whole container.
+
+def _note(container, *record) -> None:
+    journal = container._journal
+    if journal.recording:
+        journal._log.append(record)
+
+
+def _adopt_item(container, item):
+    return item if type(item) in _SCALARS else _adopt(container._journal, item)
+
+
+def _restore_list(lst, items) -> None:
+    list.__setitem__(lst, slice(None), items)
+
+
+def _cut_list(lst, n: int) -> None:
+    list.__delitem__(lst, slice(n, None))
+
+
+class JournaledList(list):
+    """A list whose changes are journaled (see the module docstring)."""
+
+    __slots__ = ("_journal",)
+
+    def __reduce__(self):
+        return list, (list(self),)
+
+    def __init__(self, journal: Journal, items=()):
+        list.__init__(self, items)
+        self._journal = journal
+        for i, item in enumerate(self):
+            if type(item) not in _SCALARS:
+                list.__setitem__(self, i, _adopt(journal, item))
+
+    def append(self, item) -> None:
+        journal = self._journal
+        if journal.recording:
+            journal._log.append((_cut_list, self, len(self)))
+        list.append(self, item if type(item) in _SCALARS else _adopt(journal, item))
+
+    def extend(self, items) -> None:
+        _note(self, _cut_list, self, len(self))
+        list.extend(self, [_adopt_item(self, x) for x in items])
+
+    def __iadd__(self, items):
+        self.extend(items)
+        return self
+
+    def _whole(self):
+        _note(self, _restore_list, self, list(self))
+
+    def insert(self, index, item) -> None:
+        self._whole()
+        list.insert(self, index, _adopt_item(self, item))
+
+    def __setitem__(self, key, value) -> None:
+        self._whole()
+        if isinstance(key, slice):
+            value = [_adopt_item(self, x) for x in value]
+        else:
+            value = _adopt_item(self, value)
+        list.__setitem__(self, key, value)
+
+    def __delitem__(self, key) -> None:
+        self._whole()
+        list.__delitem__(self, key)
+
+    def pop(self, index=-1):
+        self._whole()
+        return list.pop(self, index)
+
+    def remove(self, item) -> None:
+        self._whole()
+        list.remove(self, item)
+
+    def clear(self) -> None:
+        self._whole()
+        list.clear(self)
+
+    def sort(self, *args, **kwargs) -> None:
+        self._whole()
+        list.sort(self, *args, **kwargs)
+
+    def reverse(self) -> None:
+        self._whole()
+        list.reverse(self)
+
+    def __imul__(self, n):
+        self._whole()
+        return list.__imul__(self, n)
+
+
+def _restore_key(d, key, old) -> None:
+    if old is _MISSING:
+        dict.pop(d, key, None)
+    else:
+        dict.__setitem__(d, key, old)
+
+
+def _restore_dict(d, items) -> None:
+    dict.clear(d)
+    dict.update(d, items)
+
+
+class JournaledDict(dict):
+    """A dict whose changes are journaled."""
+
+    __slots__ = ("_journal",)
+
+    def __reduce__(self):
+        return dict, (dict(self),)
+
+    def __init__(self, journal: Journal, items=()):
+        dict.__init__(self, items)
+        self._journal = journal
+        for key, value in self.items():
+            if type(value) not in _SCALARS:
+                dict.__setitem__(self, key, _adopt(journal, value))
+
+    def __setitem__(self, key, value) -> None:
+        journal = self._journal
+        if journal.recording:
+            journal._log.append((_restore_key, self, key, dict.get(self, key, _MISSING)))
+        dict.__setitem__(self, key, value if type(value) in _SCALARS else _adopt(journal, value))
+
+    def __delitem__(self, key) -> None:
+        _note(self, _restore_key, self, key, dict.get(self, key, _MISSING))
+        dict.__delitem__(self, key)
+
+    def pop(self, key, *default):
+        _note(self, _restore_key, self, key, dict.get(self, key, _MISSING))
+        return dict.pop(self, key, *default)
+
+    def setdefault(self, key, default=None):
+        if key in self:
+            return dict.__getitem__(self, key)
+        self[key] = default
+        return dict.__getitem__(self, key)
+
+    def _whole(self):
+        _note(self, _restore_dict, self, dict(self))
+
+    def popitem(self):
+        self._whole()
+        return dict.popitem(self)
+
+    def clear(self) -> None:
+        self._whole()
+        dict.clear(self)
+
+    def update(self, *args, **kwargs) -> None:
+        self._whole()
+        for key, value in dict(*args, **kwargs).items():
+            dict.__setitem__(self, key, _adopt_item(self, value))
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+
+def _restore_member(s, item, was_in: bool) -> None:
+    if was_in:
+        set.add(s, item)
+    else:
+        set.discard(s, item)
+
+
+def _restore_set(s, items) -> None:
+    set.clear(s)
+    set.update(s, items)
+
+
+class JournaledSet(set):
+    """A set whose changes are journaled."""
+
+    __slots__ = ("_journal",)
+
+    def __init__(self, journal: Journal, items=()):
+        set.__init__(self, items)
+        self._journal = journal
+
+    def __repr__(self) -> str:
+        return repr(set(self))
+
+    def __reduce__(self):
+        return set, (list(self),)
+
+    def add(self, item) -> None:
+        journal = self._journal
+        if journal.recording:
+            journal._log.append((_restore_member, self, item, item in self))
+        set.add(self, item)
+
+    def discard(self, item) -> None:
+        _note(self, _restore_member, self, item, item in self)
+        set.discard(self, item)
+
+    def remove(self, item) -> None:
+        journal = self._journal
+        if journal.recording:
+            journal._log.append((_restore_member, self, item, item in self))
+        set.remove(self, item)
+
+    def _whole(self):
+        _note(self, _restore_set, self, set(self))
+
+    def pop(self):
+        self._whole()
+        return set.pop(self)
+
+    def clear(self) -> None:
+        self._whole()
+        set.clear(self)
+
+    def update(self, *others) -> None:
+        self._whole()
+        set.update(self, *others)
+
+    def difference_update(self, *others) -> None:
+        self._whole()
+        set.difference_update(self, *others)
+
+    def intersection_update(self, *others) -> None:
+        self._whole()
+        set.intersection_update(self, *others)
+
+    def symmetric_difference_update(self, other) -> None:
+        self._whole()
+        set.symmetric_difference_update(self, other)
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def __iand__(self, other):
+        self.intersection_update(other)
+        return self
+
+    def __isub__(self, other):
+        self.difference_update(other)
+        return self
+
+    def __ixor__(self, other):
+        self.symmetric_difference_update(other)
+        return self
+
+
+def _cut_right(d, n: int) -> None:
+    while len(d) > n:
+        deque.pop(d)
+
+
+def _cut_left(d, n: int) -> None:
+    while len(d) > n:
+        deque.popleft(d)
+
+
+def _put_back_right(d, n: int, item) -> None:
+    if len(d) < n:
+        deque.append(d, item)
+
+
+def _put_back_left(d, n: int, item) -> None:
+    if len(d) < n:
+        deque.appendleft(d, item)
+
+
+def _put_back_at(d, n: int, index: int, item) -> None:
+    if len(d) < n:
+        deque.insert(d, index, item)
+
+
+def _restore_deque(d, items) -> None:
+    deque.clear(d)
+    deque.extend(d, items)
+
+
+class JournaledDeque(deque):
+    """A deque whose changes are journaled. (A bounded deque that is full drops an item on
+    every append: those appends save the whole deque.)"""
+
+    __slots__ = ("_journal",)
+
+    def __init__(self, journal: Journal, items=(), maxlen=None):
+        deque.__init__(self, items, maxlen)
+        self._journal = journal
+        for i, item in enumerate(self):
+            if type(item) not in _SCALARS:
+                deque.__setitem__(self, i, _adopt(journal, item))
+
+    def __repr__(self) -> str:
+        return repr(deque(self, self.maxlen))
+
+    def __reduce__(self):
+        return deque, (list(self), self.maxlen)
+
+    def _whole(self):
+        _note(self, _restore_deque, self, list(self))
+
+    def _full(self) -> bool:
+        return self.maxlen is not None and len(self) >= self.maxlen
+
+    def append(self, item) -> None:
+        if self._full():
+            self._whole()
+        else:
+            _note(self, _cut_right, self, len(self))
+        deque.append(self, _adopt_item(self, item))
+
+    def appendleft(self, item) -> None:
+        if self._full():
+            self._whole()
+        else:
+            _note(self, _cut_left, self, len(self))
+        deque.appendleft(self, _adopt_item(self, item))
+
+    def pop(self):
+        if self:
+            _note(self, _put_back_right, self, len(self), self[-1])
+        return deque.pop(self)
+
+    def popleft(self):
+        if self:
+            _note(self, _put_back_left, self, len(self), self[0])
+        return deque.popleft(self)
+
+    def remove(self, item) -> None:
+        index = deque.index(self, item)
+        _note(self, _put_back_at, self, len(self), index, deque.__getitem__(self, index))
+        deque.__delitem__(self, index)
+
+    def insert(self, index, item) -> None:
+        self._whole()
+        deque.insert(self, index, _adopt_item(self, item))
+
+    def extend(self, items) -> None:
+        items = [_adopt_item(self, x) for x in items]
+        if self.maxlen is not None:
+            self._whole()
+        else:
+            _note(self, _cut_right, self, len(self))
+        deque.extend(self, items)
+
+    def extendleft(self, items) -> None:
+        items = [_adopt_item(self, x) for x in items]
+        if self.maxlen is not None:
+            self._whole()
+        else:
+            _note(self, _cut_left, self, len(self))
+        deque.extendleft(self, items)
+
+    def __iadd__(self, items):
+        self.extend(items)
+        return self
+
+    def clear(self) -> None:
+        self._whole()
+        deque.clear(self)
+
+    def rotate(self, n=1) -> None:
+        self._whole()
+        deque.rotate(self, n)
+
+    def reverse(self) -> None:
+        self._whole()
+        deque.reverse(self)
+
+    def __setitem__(self, index, value) -> None:
+        self._whole()
+        deque.__setitem__(self, index, _adopt_item(self, value))
+
+    def __delitem__(self, index) -> None:
+        self._whole()
+        deque.__delitem__(self, index)
+
+
+def _restore_array_item(a, index: int, old) -> None:
+    array.__setitem__(a, index, old)
+
+
+def _restore_array(a, items) -> None:
+    array.__setitem__(a, slice(None), items)
+
+
+class JournaledArray(array):
+    """An ``array.array`` whose item assignments are journaled (the free queue's links)."""
+
+    __slots__ = ("_journal",)
+
+    def __new__(cls, journal: Journal, items: array):
+        self = array.__new__(cls, items.typecode, items)
+        self._journal = journal
+        return self
+
+    def __repr__(self) -> str:
+        return repr(array(self.typecode, self))
+
+    def __reduce__(self):
+        return array, (self.typecode, list(self))
+
+    def __setitem__(self, index, value) -> None:
+        journal = self._journal
+        if journal.recording:
+            if type(index) is int:
+                journal._log.append((_restore_array_item, self, index, array.__getitem__(self, index)))
+            else:
+                journal._log.append((_restore_array, self, array(self.typecode, self)))
+        array.__setitem__(self, index, value)
+
+    def _whole(self):
+        _note(self, _restore_array, self, array(self.typecode, self))
+
+    def __delitem__(self, index) -> None:
+        raise TypeError("a journaled array keeps its length")
+
+    def append(self, item) -> None:
+        raise TypeError("a journaled array keeps its length")
+
+    extend = insert = pop = remove = fromlist = frombytes = append
+
+
+_JOURNALED = frozenset({JournaledList, JournaledDict, JournaledSet, JournaledDeque, JournaledArray})
+_CONTAINERS = {
+    list: lambda journal, items: JournaledList(journal, items),
+    dict: lambda journal, items: JournaledDict(journal, items),
+    set: lambda journal, items: JournaledSet(journal, items),
+    deque: lambda journal, items: JournaledDeque(journal, items, items.maxlen),
+    array: lambda journal, items: JournaledArray(journal, items),
+}
+
+
+# ---------------------------------------------------------------- shared objects and one-off transactions
+
+def share(obj: Any) -> Any:
+    """Enrol an object that every engine of the process shares (the counter of sequence ids).
+
+    It belongs to no journal: a change made while exactly one transaction is open on this
+    thread is recorded there, and undone only if the attribute still holds what the change
+    wrote -- so another thread's later change is never taken back (a counter never hands out
+    a value twice). With no transaction, or several, open on the thread, nothing is recorded.
+    """
+    cls = type(obj)
+    if not getattr(cls, "_shared", False):
+        sub = type(cls.__name__, (cls,), {"__slots__": (), "_shared": True, "__setattr__": _shared_setattr,
+                                          "__module__": cls.__module__})
+        sub.__qualname__ = cls.__qualname__
+        obj.__class__ = sub
+    return obj
+
+
+def _shared_setattr(self, name: str, value: Any) -> None:
+    journals = _open_journals()
+    if len(journals) == 1:
+        for journal in journals:
+            journal._log.append((_restore_shared, self, name, getattr(self, name, _MISSING), value))
+    object.__setattr__(self, name, value)
+
+
+def _restore_shared(obj: Any, name: str, old: Any, new: Any) -> None:
+    if getattr(obj, name, _MISSING) is new or getattr(obj, name, _MISSING) == new:
+        _restore_attribute(obj, name, old)
+
+
+def journal_of(obj: Any) -> Journal | None:
+    """The journal ``obj`` is enrolled in, or None."""
+    return getattr(type(obj), "_journal", None)
+
+
+@contextmanager
+def transaction(*roots, follow: tuple[type, ...] = ()):
+    """``with transaction(block_manager, seq, ...) as journal:`` -- the changes made inside to
+    ``roots`` and to what they hold are undone together if something raises, then it re-raises.
+
+    Roots enrolled already (an engine's block manager) keep their journal; otherwise a new one
+    follows ``follow`` plus the roots' own classes.
+    """
+    journals = {journal_of(r) for r in roots} - {None}
+    if len(journals) > 1:
+        raise ValueError("the roots of one transaction belong to different journals")
+    journal = journals.pop() if journals else Journal(tuple(follow) + tuple({type(r) for r in roots}))
+    for root in roots:
+        journal.adopt(root)
+    journal.begin()
+    try:
+        yield journal
+    except BaseException:
+        journal.rollback()
+        raise
+    journal.commit()

@@ -12,7 +12,7 @@ from course_pkg import BlockManager, Sequence
 def admit(bm: BlockManager, seq, compute: bool = True) -> Sequence:
     """Allocate ``seq`` (a Sequence, or token ids) with every cached block ``can_allocate``
     offers; with ``compute``, then run its prefill step: every token is computed and the
-    blocks that became full are registered, as the scheduler's ``postprocess`` would."""
+    blocks that became full are registered, as the scheduler's ``update_from_output`` would."""
     if not isinstance(seq, Sequence):
         seq = Sequence(list(seq), block_size=bm.block_size)
     num_cached_blocks = bm.can_allocate(seq)
@@ -91,6 +91,15 @@ def load_build_slides():
     spec = importlib.util.spec_from_file_location("build_slides", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("build_slides", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_lab_solution(name: str):
+    """tests/lab_solutions/<name>.py as a module: a student's independent solution of a lab."""
+    path = Path(__file__).resolve().parent / "lab_solutions" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"lab_solution_{name}", path)
+    module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 

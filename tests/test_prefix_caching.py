@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from course_pkg import BlockManager, NoFreeBlocksError, Sequence
 from course_pkg.block_manager import PrefixCacheStats, compute_hash
+from course_pkg.scheduler import STEP_STATE
+from course_pkg.undo import transaction
 from course_pkg.foils import TokenCheckBlockManager, UnguardedBlockManager
 from tests.helpers import admit, compute_all, state
 
@@ -308,7 +310,7 @@ def test_a_sweep_inside_a_failed_transaction_is_undone():
         start += 5
     before = dict(bm._prefix_ids), bm._next_prefix_id, state(bm)
     with pytest.raises(RuntimeError, match="step failed"):
-        with bm.transaction():
+        with transaction(bm, follow=STEP_STATE):
             admit(bm, range(10**6, 10**6 + 6))           # its 6 new names push the dictionary over
             assert len(bm._prefix_ids) < len(before[0])   # swept
             raise RuntimeError("step failed")

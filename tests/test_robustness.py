@@ -1,7 +1,7 @@
 """The engine survives faults, misuse and bad input (issue 9).
 
 * Fault injection: an exception, or a KeyboardInterrupt, raised once at each point of a step
-  in turn -- the model's forward pass, the sampler, ``postprocess``, ``hash_blocks``,
+  in turn -- the model's forward pass, the sampler, ``update_from_output``, ``hash_blocks``,
   ``deallocate``, the tokenizer's ``decode``. ``generate`` must re-raise it, and afterwards
   the engine must be as good as new: every block free, the next ``generate`` giving the
   tokens of an engine that never saw a fault, and a request someone else queued finishing
@@ -261,7 +261,7 @@ def test_schedule_never_returns_an_empty_batch_while_work_remains(seed):
 # ---------------------------------------------------------------- bad sampled tokens
 
 @pytest.mark.parametrize("token", ["x", 1.5, -1, True, None])
-def test_postprocess_refuses_tokens_that_are_not_token_ids_and_changes_nothing(token):
+def test_update_from_output_refuses_tokens_that_are_not_token_ids_and_changes_nothing(token):
     sched = Scheduler(8, 2)
     short = SamplingParams(max_tokens=2)
     a, b = Sequence([1, 2, 3], short, block_size=2), Sequence([4, 5], short, block_size=2)
@@ -272,7 +272,7 @@ def test_postprocess_refuses_tokens_that_are_not_token_ids_and_changes_nothing(t
         sched.update_from_output(out, results(out, [7, token]))
     # The refused results undo the whole step: the scheduler is as before schedule().
     assert (state(sched.block_manager, [a, b]), [s.status for s in (a, b)], list(sched.waiting)) == before
-    assert sched.undo_log is None and not sched.running
+    assert not sched.journal.recording and not sched.running
 
 
 # ---------------------------------------------------------------- ownership

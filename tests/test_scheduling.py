@@ -240,10 +240,9 @@ def test_a_swap_out_undone_after_its_blocks_were_overwritten_is_recomputed():
     """Once the step wrote K/V into the victim's freed blocks, undoing the step cannot give the
     victim its K/V back: it is preempted by recompute, and its blocks are no cache entries."""
     sched, a, b, out, before = swapping_scheduler()
-    overwritten = set(sched.undo_log.new_blocks)
-    assert overwritten and overwritten <= {d for d, _ in out.blocks_to_swap_out}   # a took a block of b's
-    sched.undo_log.kv_written = True        # as the model runner marks it before copying
-    sched.unschedule(out)
+    overwritten = set(a.block_table) & {d for d, _ in out.blocks_to_swap_out}
+    assert overwritten                      # a took a block of b's, and the step began writing into it
+    sched.unschedule(out, overwritten={block: 0 for block in overwritten})
     assert b.status == SequenceStatus.PREEMPTED and not b.block_table and list(sched.waiting) == [b]
     assert b.seq_id not in sched.cpu_pool and sched.cpu_pool.num_free_blocks == 4
     assert not overwritten & set(sched.block_manager.hash_to_block_id.values())

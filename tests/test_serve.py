@@ -337,15 +337,17 @@ class FlakyRunner:
         self.runner, self.original = runner, runner.execute_model
         self.fail_at, self.poison, self.calls, self.raised = set(fail_at), poison, 0, 0
 
-    def __call__(self, out, undo_log):
+    def __call__(self, out):
         self.calls += 1
         poisoned = self.poison is not None and any(self.poison in s.prompt_token_ids for s in out.seqs)
         if self.calls in self.fail_at or poisoned:
             self.raised += 1
-            if undo_log is not None:
-                undo_log.kv_written = True   # as if the forward pass had begun writing K/V
+            bs = self.runner.block_size   # as if the forward pass had begun writing K/V
+            self.runner._note_written((s.block_table[p // bs], p % bs) for s, c, n in
+                                      zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens)
+                                      for p in range(c, c + n))
             raise RuntimeError("injected fault in the forward pass")
-        return self.original(out, undo_log)
+        return self.original(out)
 
     def __enter__(self):
         self.runner.execute_model = self
@@ -642,10 +644,10 @@ def test_shutdown_never_closes_the_engine_under_a_running_step(one_torch_thread)
     runner = llm.engine.model_runner
     original = runner.execute_model
 
-    def slow(out, undo_log):
+    def slow(out):
         in_step.set()
         release.wait(30)
-        return original(out, undo_log)
+        return original(out)
 
     runner.execute_model = slow
 

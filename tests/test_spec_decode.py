@@ -36,6 +36,8 @@ from course_pkg.engine import spec_decode
 from course_pkg.engine.spec_decode import NgramProposer, SpeculativeConfig, greedy_accept, rejection_sample
 from course_pkg.models import build_random_checkpoint, default_model_path, load_tokenizer
 from course_pkg.sampling_params import BeamSearchParams
+from course_pkg.scheduler import STEP_STATE
+from course_pkg.undo import transaction
 from tests.helpers import Fault, check_invariants, state
 from tests.test_step_transaction import compare, snapshot
 
@@ -299,7 +301,7 @@ def test_lookahead_slots_take_free_blocks_only_and_give_back_to_the_head():
     check_invariants(bm, [seq, other])
     before = state(bm, [seq])
     with pytest.raises(RuntimeError, match="boom"):
-        with bm.transaction():
+        with transaction(bm, seq, follow=STEP_STATE):
             bm.allocate_lookahead_slots(seq, 8)
             bm.free_lookahead_slots(seq)
             raise RuntimeError("boom")
@@ -527,8 +529,8 @@ def test_metrics_count_drafts_and_acceptances_under_vllms_names():
     seen = []
     real = llm.model_runner.execute_model
 
-    def execute(out, log=None):
-        result = real(out, log)
+    def execute(out):
+        result = real(out)
         seen.append(result)
         return result
 

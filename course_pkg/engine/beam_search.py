@@ -22,13 +22,14 @@ hypotheses, in the same order, with the same scores.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from course_pkg.sampling_params import BeamSearchParams, SamplingParams
 from course_pkg.sequence import Sequence
-from course_pkg.undo import UndoLog
+from course_pkg.undo import transaction
 
 
 @dataclass
@@ -72,27 +73,25 @@ def beam_search_one(engine, prompt_token_ids: list[int], params: BeamSearchParam
     eos = frozenset() if params.ignore_eos else engine.scheduler.eos_token_ids
     sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
     root = Sequence(prompt_token_ids, sampling, block_size=engine.block_size, cache_salt=cache_salt)
-    with bm.transaction():
+    with transaction(bm, root):
         bm.allocate(root, bm.can_allocate(root))
     root.num_scheduled_tokens = root.num_tokens - root.num_cached_tokens
     beams, scores = [root], [0.0]
     finished: list[BeamSearchSequence] = []
     try:
         for step in range(1, params.max_tokens + 1):
-            # Each step is a transaction on the block manager (course_pkg.undo): if it raises,
-            # the beams of the step before hold their blocks again, and ``finally`` frees them.
-            with bm.transaction() as log:
-                log.kv_written = True
+            # Each step is a transaction (course_pkg.undo): if it raises, the beams of the step
+            # before hold their blocks again, and ``finally`` frees them.
+            with _search_transaction(engine, beams):
                 logprobs = runner.compute_logprobs(beams)                       # [beams, vocab]
                 for beam in beams:
-                    log.save(beam, "num_cached_tokens", "num_scheduled_tokens")
                     beam.num_cached_tokens += beam.num_scheduled_tokens
                     beam.num_scheduled_tokens = 0
                     bm.hash_blocks(beam)
                 finished_now, running, ended, stop = _search_step(params, step, eos, logprobs, scores,
                                                                   beams, finished)
                 if not stop:
-                    next_beams, next_scores, record = _next_beams(bm, runner, beams, running, log)
+                    next_beams, next_scores, record = _next_beams(bm, runner, beams, running)
             finished = finished_now
             if stop:
                 break
@@ -109,6 +108,20 @@ def beam_search_one(engine, prompt_token_ids: list[int], params: BeamSearchParam
     return BeamSearchOutput(sequences=finished)
 
 
+@contextmanager
+def _search_transaction(engine, beams: list[Sequence]):
+    """One step of the search as a transaction over the block manager and the beams; if it
+    raises, the blocks the step's K/V writes overwrote also lose their cache entries."""
+    runner = engine.model_runner
+    runner.begin_step(beams)
+    try:
+        with transaction(engine.block_manager, *beams):
+            yield
+    except BaseException:
+        engine.block_manager.forget_overwritten(runner.abort_step())   # (a beam only writes past its own K/V)
+        raise
+
+
 def _release(bm, beams: list[Sequence]) -> None:
     """Release every beam's blocks, each release a transaction of its own: one that raises is
     undone and tried again once the others are released; the first error is re-raised then."""
@@ -117,7 +130,7 @@ def _release(bm, beams: list[Sequence]) -> None:
         failed = []
         for beam in pending:
             try:
-                with bm.transaction():
+                with transaction(bm, beam):
                     bm.deallocate(beam)
             except BaseException as e:
                 failed.append(beam)
@@ -157,7 +170,7 @@ def _search_step(params: BeamSearchParams, step: int, eos, logprobs: torch.Tenso
     return finished, running, ended, stop
 
 
-def _next_beams(bm, runner, beams: list[Sequence], running, log: UndoLog):
+def _next_beams(bm, runner, beams: list[Sequence], running):
     """Turn the chosen (score, beam, token) candidates into the next beams, with forks."""
     uses: dict[int, list[tuple[float, int]]] = {}
     for score, b, token in running:
@@ -171,8 +184,6 @@ def _next_beams(bm, runner, beams: list[Sequence], running, log: UndoLog):
         for child in children:
             bm.fork(parent, child)
         for seq, (score, token) in zip([parent] + children, choices):
-            log.save(seq, "num_tokens")
-            log.record(seq.token_ids.pop)
             seq.append_token(token)
             new_beams.append(seq)
             new_scores.append(score)
@@ -187,7 +198,7 @@ def _next_beams(bm, runner, beams: list[Sequence], running, log: UndoLog):
     copies = []
     for beam in new_beams:
         copies += bm.may_append(beam)
-        log.setattr(beam, "num_scheduled_tokens", 1)
+        beam.num_scheduled_tokens = 1
     runner.copy_blocks(copies)
     return new_beams, new_scores, {"kept": tuple(kept), "pruned": tuple(b.seq_id for b in pruned),
                                    "copies": tuple(copies)}

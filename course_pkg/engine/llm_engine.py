@@ -12,11 +12,12 @@ and keeps the numbers a serving system reports: per request the time to first to
 tokens the prefix cache provided; for the engine the counters vLLM exports under the same
 names (prefix-cache queries, hits and hit rate, KV cache usage, preemptions, tokens).
 
-Faults. A step is a transaction (``course_pkg.undo``; ARCHITECTURE.md, "The step"): if
+Faults. A step is a transaction (``course_pkg.undo``; ARCHITECTURE.md, "The journal"): if
 anything raises between the first line of ``schedule`` and the last of ``update_from_output``
--- the model, the sampler, the block manager, an interrupt -- the step's undo log is played
-backwards (``Scheduler.unschedule``), the engine is as it was before the step, and the next
-step computes the same tokens, seeded samples included. What the engine does after the step
+-- the model, the sampler, the block manager, an interrupt -- the scheduler's journal is played
+backwards and the model runner puts its generators back (``Scheduler.unschedule``,
+``ModelRunner.abort_step``), the engine is as it was before the step, and the next step
+computes the same tokens, seeded samples included. What the engine does after the step
 is committed cannot fail, except building the finished outputs (the tokenizer): those wait
 and are handed out, exactly once, by the next ``step()`` that can build them.
 
@@ -239,14 +240,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step, a transaction; return the requests that finished in it."""
         with self._exclusive():
-            sched = self.scheduler
+            sched, runner = self.scheduler, self.model_runner
             sched.unschedule()   # finishes a rollback that an interrupt cut short (usually nothing)
             out = sched.schedule()   # if this raises, it undid itself
             try:
-                result = self.model_runner.execute_model(out, sched.undo_log)
+                runner.begin_step(out.seqs)
+                result = runner.execute_model(out)
                 finished = sched.update_from_output(out, result)
             except BaseException:
-                sched.unschedule(out)
+                sched.unschedule(out, overwritten=runner.abort_step())
                 raise
             # The step is committed. What follows is the engine's own record of it; the finished
             # requests are noted first, so that nothing after can lose them.

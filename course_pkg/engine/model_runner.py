@@ -77,6 +77,10 @@ class ModelRunner:
         self.cpu_kv_cache = self._allocate_cpu_cache(num_cpu_blocks)
         # Speculative decoding (chapter 14): a NgramProposer or an EarlyExitProposer, set by the engine.
         self.proposer = None
+        # The open step's part of the transaction (begin_step / abort_step): where the sampler's
+        # generators stood, and the K/V slots written so far, {block id: first offset written}.
+        self._sampler_state = None
+        self._written: dict[int, int] = {}
 
     # ---------------------------------------------------------------- swapping (chapter 09)
 
@@ -107,6 +111,7 @@ class ModelRunner:
             return
         src = torch.tensor([c for c, _ in pairs], dtype=torch.long)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        self._note_written((d, 0) for _, d in pairs)
         blocks = self.cpu_kv_cache.index_select(2, src)
         if self.device.type == "cuda":
             blocks = blocks.pin_memory()
@@ -180,29 +185,47 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- one step
 
+    def begin_step(self, seqs) -> None:
+        """The runner's part of a step's transaction: note where the sampler's generators stand
+        for the step's sequences (``SchedulerOutput.seqs``), and start counting the K/V slots
+        the step writes."""
+        self._sampler_state = self.sampler.get_state(seqs)
+        self._written = {}
+
+    def abort_step(self) -> dict[int, int]:
+        """The step is undone: put the generators back (the redone step draws the same) and
+        return the K/V slots it wrote, ``{block id: first offset written}`` -- memory no undo
+        gives back (``Scheduler.unschedule`` deals with it)."""
+        if self._sampler_state is not None:
+            self.sampler.set_state(self._sampler_state)
+            self._sampler_state = None
+        written, self._written = self._written, {}
+        return written
+
+    def _note_written(self, slots) -> None:
+        """``(block id, offset)`` pairs about to be written."""
+        written = self._written
+        for block_id, offset in slots:
+            if offset < written.get(block_id, offset + 1):
+                written[block_id] = offset
+
     @torch.inference_mode()
-    def execute_model(self, scheduler_output, undo_log=None) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output) -> ModelRunnerOutput:
         """Perform one step as the scheduler decided it: its block copies, every read of a
         block before any write into it (a block freed by a preemption in this step may already
-        be a copy's destination), then the forward pass and the sampling.
-
-        ``undo_log``: the step's log. It learns that K/V are being overwritten from here on,
-        and it records the sampler's generator states, so an undone step samples the same.
-        """
+        be a copy's destination), then the forward pass and the sampling."""
         out = scheduler_output
-        if undo_log is not None:
-            undo_log.kv_written = True
         self.swap_out(list(out.blocks_to_swap_out))
         self.copy_blocks(list(out.blocks_to_copy))   # copy-on-write, before the forward pass
         self.swap_in(list(out.blocks_to_swap_in))
         if any(out.num_lookahead_tokens):
-            return self.execute_speculative(out, undo_log)
-        tokens, logprobs = self.run_with_logprobs(list(out.seqs), list(out.num_samples), undo_log)
+            return self.execute_speculative(out)
+        tokens, logprobs = self.run_with_logprobs(list(out.seqs), list(out.num_samples))
         return ModelRunnerOutput(sampled_token_ids=tokens, logprobs=logprobs)
 
     # ---------------------------------------------------------------- speculative decoding (chapter 14)
 
-    def execute_speculative(self, out, undo_log=None) -> ModelRunnerOutput:
+    def execute_speculative(self, out) -> ModelRunnerOutput:
         """A step with lookahead slots: propose drafts into them, verify every draft in the one
         forward pass of the step, keep the accepted ones.
 
@@ -216,8 +239,7 @@ class ModelRunner:
         from course_pkg.engine.sampler import GREEDY_BELOW
 
         seqs = list(out.seqs)
-        drafts, draft_probs = self.propose(seqs, list(out.num_lookahead_tokens), undo_log,
-                                           out.scheduled_spec_decode_tokens)
+        drafts, draft_probs = self.propose(seqs, list(out.num_lookahead_tokens), out.scheduled_spec_decode_tokens)
         logits, sample_seqs = self._forward(seqs, drafts)
         logits = logits.float() if logits is not None else None
         rows, row = {}, 0
@@ -230,7 +252,7 @@ class ModelRunner:
         by_seq = {}
         if plain:
             plain_rows = torch.tensor([rows[id(s)][0] for s in plain], device=logits.device)
-            tokens, logprobs = self.sampler.sample(logits[plain_rows], plain, [counts[id(s)] for s in plain], undo_log)
+            tokens, logprobs = self.sampler.sample(logits[plain_rows], plain, [counts[id(s)] for s in plain])
             by_seq.update((id(s), (t, lp)) for s, t, lp in zip(plain, tokens, logprobs))
         for seq in sample_seqs:
             d = drafts.get(id(seq))
@@ -243,15 +265,14 @@ class ModelRunner:
             else:
                 target = self.sampler.probs(seq_logits, seq)
                 tokens = rejection_sample(d, draft_probs.get(id(seq)), target,
-                                          self.sampler.generator_for(seq, undo_log))
+                                          self.sampler.generator_for(seq))
             lp = torch.log_softmax(seq_logits[:len(tokens)], dim=-1)
             by_seq[id(seq)] = (tokens, lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist())
         results = [by_seq.get(id(seq), ([], [])) for seq in seqs]
         return ModelRunnerOutput(sampled_token_ids=[t for t, _ in results], logprobs=[lp for _, lp in results],
                                  draft_token_ids=[list(drafts.get(id(seq), ())) for seq in seqs])
 
-    def propose(self, seqs: list[Sequence], num_lookahead_tokens: list[int], undo_log=None,
-                scheduled_spec_decode_tokens=()):
+    def propose(self, seqs: list[Sequence], num_lookahead_tokens: list[int], scheduled_spec_decode_tokens=()):
         """The drafts of this step: ``({id(seq): drafts}, {id(seq): q rows})`` for the sequences
         with lookahead slots, at most that many drafts each (``q``: the draft distributions of an
         early-exit draft that sampled; absent for greedy and n-gram drafts). Drafts the
@@ -265,10 +286,10 @@ class ModelRunner:
             return {id(s): self.proposer.propose(s.token_ids, n) for s, n in spec}, {}
         if self.proposer is None:
             raise RuntimeError("the step has lookahead slots but this model runner has no proposer")
-        return self._propose_early_exit(spec, undo_log)
+        return self._propose_early_exit(spec)
 
     @torch.inference_mode()
-    def _propose_early_exit(self, spec, undo_log=None):
+    def _propose_early_exit(self, spec):
         """``EarlyExitProposer``: one pass of the first layers per draft position, all
         speculating sequences together (those with fewer slots drop out)."""
         from course_pkg.engine.sampler import GREEDY_BELOW
@@ -283,6 +304,7 @@ class ModelRunner:
             ids = [(s.token_ids[-1] if i == 0 else drafts[id(s)][-1]) for s in active]
             positions = [s.num_tokens - 1 + i for s in active]
             slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(active, positions)]
+            self._note_written((slot // bs, slot % bs) for slot in slots)
             width = max(len(s.block_table) for s in active)
             tensor = partial(torch.tensor, device=self.device)
             attn = AttentionMetadata(
@@ -303,7 +325,7 @@ class ModelRunner:
                     drafts[id(s)].append(int(logits[j].argmax()))
                     continue
                 q = self.sampler.probs(logits[j:j + 1], s)[0]
-                noise = torch.empty_like(q).exponential_(generator=self.sampler.generator_for(s, undo_log))
+                noise = torch.empty_like(q).exponential_(generator=self.sampler.generator_for(s))
                 drafts[id(s)].append(int((q / noise.clamp_min_(1e-30)).argmax()))
                 probs[id(s)].append(q)
         return drafts, {key: torch.stack(rows) for key, rows in probs.items() if rows}
@@ -344,11 +366,15 @@ class ModelRunner:
             input_ids.extend(token_ids[start:end])
             positions.extend(range(start, end))
             # Slots block by block: a run of consecutive slots inside each physical block.
+            written = self._written
             for i in range(start // bs, (end - 1) // bs + 1):
                 first = max(start, i * bs)
                 last = min(end, (i + 1) * bs)
-                base = seq.block_table[i] * bs - i * bs
+                block_id = seq.block_table[i]
+                base = block_id * bs - i * bs
                 slot_mapping.extend(range(base + first, base + last))
+                if first - i * bs < written.get(block_id, bs):
+                    written[block_id] = first - i * bs
             cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
             context_lens.append(end)
             if drafts:
@@ -384,7 +410,7 @@ class ModelRunner:
         return self.run_with_logprobs(seqs)[0]
 
     @torch.inference_mode()
-    def run_with_logprobs(self, seqs: list[Sequence], num_samples: list[int] | None = None, undo_log=None):
+    def run_with_logprobs(self, seqs: list[Sequence], num_samples: list[int] | None = None):
         """``run``, plus the log-probabilities of the sampled tokens, in the same shape.
 
         ``num_samples`` (the scheduler's decision, ``SchedulerOutput.num_samples``; default each
@@ -397,7 +423,7 @@ class ModelRunner:
             num_samples = [seq.num_samples for seq in seqs]
         logits, sample_seqs = self._forward(seqs)
         counts = {id(seq): n for seq, n in zip(seqs, num_samples)}
-        tokens, logprobs = (self.sampler.sample(logits, sample_seqs, [counts[id(s)] for s in sample_seqs], undo_log)
+        tokens, logprobs = (self.sampler.sample(logits, sample_seqs, [counts[id(s)] for s in sample_seqs])
                             if sample_seqs else ([], []))
         by_seq = {id(seq): (t, lp) for seq, t, lp in zip(sample_seqs, tokens, logprobs)}
         results = [by_seq.get(id(seq), ([], [])) for seq in seqs]
@@ -428,5 +454,6 @@ class ModelRunner:
             return
         src = torch.tensor([a for a, _ in pairs], device=self.device)
         dst = torch.tensor([b for _, b in pairs], device=self.device)
+        self._note_written((b, 0) for _, b in pairs)
         # kv_cache is [2, layers, blocks, block_size, kv_heads, head_dim]: one indexed copy.
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]

@@ -18,8 +18,9 @@ request samples: drafting samples from the same generator, and rejection samplin
 uniform per verified draft, so the draws -- hence the tokens, though not their distribution --
 depend on how many lookahead slots the request got at each step, which depends on the pool
 and the token budget, so on the other requests. Two runs with the same requests are the same.
-A step's draws are undoable: with the step's undo log given, each generator's state is recorded
-before it draws (a redone step draws the same).
+A step's draws can be taken back: ``get_state(seqs)`` is where the generators those sequences
+draw from stand, and ``set_state`` puts them back there (the model runner does it for a step
+that is undone, so that the redone step draws the same).
 
 ``temperature`` below ``GREEDY_BELOW`` (1e-5, vLLM's sampling epsilon) is served as greedy:
 dividing float32 logits by such a temperature overflows, and the arg-max is what it means.
@@ -62,18 +63,35 @@ class Sampler:
         self._seq_generators: weakref.WeakKeyDictionary[Sequence, dict[int, torch.Generator]] = \
             weakref.WeakKeyDictionary()
 
-    def _generator(self, seq: Sequence, index: int, undo_log=None) -> torch.Generator:
-        """The generator of completion ``index`` of ``seq``'s request, seeded ``seed + index``, ready
-        to draw: with the step's ``undo_log``, its state before the draw is recorded (one made now
-        is forgotten by the undo: the redone step makes it again from its seed)."""
+    def _generator(self, seq: Sequence, index: int) -> torch.Generator:
+        """The generator of completion ``index`` of ``seq``'s request, seeded ``seed + index``."""
         per_index = self._seq_generators.setdefault(seq.parent or seq, {})
         gen = per_index.get(index)
-        if gen is not None:
-            return _ready_to_draw(gen, undo_log)
-        gen = per_index[index] = torch.Generator(device=self.device).manual_seed(seq.sampling_params.seed + index)
-        if undo_log is not None:
-            undo_log.record(lambda: per_index.pop(index))
+        if gen is None:
+            gen = per_index[index] = torch.Generator(device=self.device).manual_seed(seq.sampling_params.seed + index)
         return gen
+
+    def get_state(self, seqs) -> tuple:
+        """Where the generators ``seqs`` draw from stand now: the shared one's state and, per
+        seeded request among them, the states of the generators it has (``set_state`` goes back)."""
+        own = {}
+        for seq in seqs:
+            if seq.sampling_params.seed is not None:
+                root = seq.parent or seq
+                own[root] = {i: g.get_state() for i, g in self._seq_generators.get(root, {}).items()}
+        return self.generator.get_state(), own
+
+    def set_state(self, state: tuple) -> None:
+        """Put the generators back where ``get_state`` found them; a generator made since is
+        dropped (the next draw makes it again from its seed)."""
+        shared, own = state
+        self.generator.set_state(shared)
+        for root, states in own.items():
+            per_index = self._seq_generators.get(root, {})
+            for index in [i for i in per_index if i not in states]:
+                del per_index[index]
+            for index, gen_state in states.items():
+                per_index[index].set_state(gen_state)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -81,8 +99,8 @@ class Sampler:
         return [tokens[0] for tokens in self.sample(logits, seqs, [1] * len(seqs))[0]]
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], num_samples: list[int] | None = None,
-               undo_log=None) -> tuple[list[list[int]], list[list[float]]]:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+               num_samples: list[int] | None = None) -> tuple[list[list[int]], list[list[float]]]:
         """``(tokens, logprobs)``: per sequence a list of ``num_samples`` tokens (default
         ``seq.num_samples``) and their log-probabilities under the model (``log_softmax`` of the
         raw logits). Completion ``j`` of a forking sequence draws as completion ``index + j``."""
@@ -97,7 +115,7 @@ class Sampler:
                    for j in range(n)]
         logits = logits.float()
         rows_of = torch.tensor([row for _, _, row in targets], device=logits.device)
-        tokens = self._draw(logits[rows_of], targets, undo_log)
+        tokens = self._draw(logits[rows_of], targets)
         logprobs = torch.log_softmax(logits, dim=-1)[rows_of, torch.tensor(tokens, device=logits.device)].tolist()
         out_tokens, out_logprobs = [], []
         k = 0
@@ -118,14 +136,13 @@ class Sampler:
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
 
-    def generator_for(self, seq: Sequence, undo_log=None) -> torch.Generator:
-        """The generator ``seq`` draws from (its request's own when seeded, else the shared one),
-        ready to draw: its state is recorded in ``undo_log``."""
+    def generator_for(self, seq: Sequence) -> torch.Generator:
+        """The generator ``seq`` draws from: its request's own when seeded, else the shared one."""
         if seq.sampling_params.seed is not None:
-            return self._generator(seq, seq.index, undo_log)
-        return _ready_to_draw(self.generator, undo_log)
+            return self._generator(seq, seq.index)
+        return self.generator
 
-    def _draw(self, rows: torch.Tensor, targets, undo_log=None) -> list[int]:
+    def _draw(self, rows: torch.Tensor, targets) -> list[int]:
         """One token per target; ``rows[i]`` are the float32 logits of target ``i``."""
         tokens = rows.argmax(dim=-1)
         sampled = [i for i, (seq, _, _) in enumerate(targets) if seq.temperature >= GREEDY_BELOW]
@@ -140,18 +157,11 @@ class Sampler:
             shared = [j for j, i in enumerate(sampled) if targets[i][0].sampling_params.seed is None]
             if shared:
                 noise[shared] = torch.empty((len(shared), probs.shape[1]), device=probs.device).exponential_(
-                    generator=_ready_to_draw(self.generator, undo_log))
+                    generator=self.generator)
             for j, i in enumerate(sampled):
                 seq, index, _ = targets[i]
                 if seq.sampling_params.seed is not None:
-                    noise[j].exponential_(generator=self._generator(seq, index, undo_log))
+                    noise[j].exponential_(generator=self._generator(seq, index))
             # (clamped: a zero draw would turn a filtered 0 / 0 into NaN)
             tokens[idx] = (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)
         return tokens.tolist()
-
-
-def _ready_to_draw(gen: torch.Generator, undo_log) -> torch.Generator:
-    """``gen``, its state recorded in ``undo_log`` (if any) so that an undone step draws again."""
-    if undo_log is not None:
-        undo_log.record(lambda state=gen.get_state(): gen.set_state(state))
-    return gen

@@ -232,10 +232,10 @@ class TensorParallelModelRunner(ModelRunner):
         return logits, sample_seqs
 
     @torch.inference_mode()
-    def run_with_logprobs(self, seqs, num_samples=None, undo_log=None):
+    def run_with_logprobs(self, seqs, num_samples=None):
         """As :meth:`ModelRunner.run_with_logprobs`; a traced step also records what rank 0 sampled."""
         self._traced = False
-        tokens, logprobs = super().run_with_logprobs(seqs, num_samples, undo_log)
+        tokens, logprobs = super().run_with_logprobs(seqs, num_samples)
         if self._traced:
             sampled = [t[0] if len(t) == 1 else t for t in tokens if t]
             self.last_trace.append(f"sampled {sampled}" if sampled else "nothing sampled (a chunk of a prompt)")

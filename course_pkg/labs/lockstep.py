@@ -123,7 +123,7 @@ class Lockstep:
 
     def computed(self, name: str, num_tokens: int | None = None) -> None:
         """A step wrote the K/V of ``name``'s tokens up to ``num_tokens`` (all by default),
-        then registers the blocks that became full: what ``Scheduler.postprocess`` does."""
+        then registers the blocks that became full: what ``Scheduler.update_from_output`` does."""
         for seq in (self.ref_seqs[name], self.my_seqs[name]):
             seq.num_cached_tokens = seq.num_tokens if num_tokens is None else num_tokens
         self.call("hash_blocks", name)

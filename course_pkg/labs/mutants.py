@@ -489,8 +489,8 @@ class PreemptToTailScheduler(Scheduler):
 
     def preempt(self, seq: Sequence, plan) -> None:
         super().preempt(seq, plan)
-        self.undo_log.remove(self.waiting, seq)
-        self.undo_log.append(self.waiting, seq)
+        self.waiting.remove(seq)
+        self.waiting.append(seq)
 
 
 class _DecodeFirst(AdmissionPolicy):

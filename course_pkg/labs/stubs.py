@@ -206,7 +206,7 @@ class StudentScheduler(Scheduler):
         """Free running ``seq``'s blocks (``self.preemption.preempt(self, seq, plan)`` returns its
         new status), take it out of ``running`` and put it first in ``waiting``; count it in
         ``seq.num_preemptions`` and ``self.stats.num_preemptions``; list it in ``plan.preempted``.
-        (The package records each change in ``self.undo_log``; plain changes pass the grader.)"""
+        (Plain changes are enough: the step's journal records them by itself, chapter 06.)"""
         ...
 
 
@@ -307,12 +307,7 @@ class StudentRollbackBlockManager(BlockManager):
         num_cached_tokens - 1``. The blocks past them were taken for lookahead from the head of
         the free queue; put each back at the head so that the queue ends as it was before they
         were taken (use ``self._release_to_head(block)`` after setting its ``ref_count`` to 0).
-        Register nothing.
-
-        The undo log (chapter 06): the package's version calls ``self._save(seq)`` and
-        ``self._save(block)`` before it changes them, as every method of the manager does. Here
-        they are redundant, and the grader cannot tell them missing: the rollback runs in the
-        same step as ``allocate_lookahead_slots``, which already recorded the table's and the
-        blocks' before-images, and undoing a step restores the earliest image last.
+        Register nothing. (Plain changes are enough: the step's journal records them by
+        itself, chapter 06.)
         """
         ...

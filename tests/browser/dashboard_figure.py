@@ -39,9 +39,9 @@ def take(out: Path, browser) -> Path:
     runner = llm.engine.model_runner
     execute_model = runner.execute_model
 
-    def slow_step(o, undo_log):   # 20 ms a step: the streams last long enough to be caught mid-run
+    def slow_step(o):   # 20 ms a step: the streams last long enough to be caught mid-run
         time.sleep(0.02)
-        return execute_model(o, undo_log)
+        return execute_model(o)
     runner.execute_model = slow_step
     gate, parked = threading.Event(), threading.Event()
     try:

@@ -25,9 +25,9 @@ def server():
     runner = llm.engine.model_runner
     execute_model = runner.execute_model
 
-    def slow_step(out, undo_log):   # 20 ms a step: a request runs long enough for the page to see it
+    def slow_step(out):   # 20 ms a step: a request runs long enough for the page to see it
         time.sleep(0.02)
-        return execute_model(out, undo_log)
+        return execute_model(out)
     runner.execute_model = slow_step
     with ServerThread(build_app(llm)) as server:
         yield server

@@ -14,11 +14,8 @@ class PopWhileRollbackBlockManager(BlockManager):
     def free_lookahead_slots(self, seq):
         needed = (seq.num_cached_tokens + self.block_size - 1) // self.block_size
         freed = []
-        if len(seq.block_table) > needed:
-            self._save(seq)
         while len(seq.block_table) > needed:
             block = self.blocks[seq.block_table.pop()]
-            self._save(block)
             block.ref_count -= 1
             self._release_to_head(block)
             freed.insert(0, block.block_id)

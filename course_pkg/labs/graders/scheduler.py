@@ -5,7 +5,7 @@ prompt), as ``course_pkg.workloads.WorkloadRun`` does, so no model runs and a gr
 fraction of a second. Requests arrive at given steps. After every ``schedule`` the two
 schedulers must agree on the batch (which sequences, how many tokens each, prefill or decode),
 on who was preempted, on the order of ``waiting`` and ``running``, and on every block table;
-after every ``postprocess`` on who finished. Hand-computed expectations from the chapter's
+after every ``update_from_output`` on who finished. Hand-computed expectations from the chapter's
 rules (prefill first, chunking within the token budget, the most recently admitted sequence
 preempted first, back at the head of ``waiting``) are checked at the steps where they apply.
 
