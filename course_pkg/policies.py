@@ -10,31 +10,49 @@
   ``preemption_mode="swap"``) copies its K/V to a CPU block pool and back, falling back to
   recompute when the pool is full.
 
-Both do their work through the Scheduler's routines (``_schedule_prompts``,
-``_schedule_decodes``, ``preempt``); a policy keeps no state of its own besides the CPU pool.
+A policy sees only what the Scheduler hands it. An admission policy gets a ``StepBuilder``: the
+two ways to fill the step (prompts within a token budget, one decode token per running
+sequence) and the step's token budget. A preemption policy gets the victim and the block
+manager and answers with what happened (``Preemption``); the Scheduler moves the sequence
+between its queues, lists the copies in the step and counts. Neither knows the Scheduler, so
+this module imports nothing above the block manager and the CPU pool.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from course_pkg.sequence import SequenceStatus
+from course_pkg.block_manager import BlockManager
+from course_pkg.sequence import Sequence, SequenceStatus
 from course_pkg.swap import CpuBlockPool
 from course_pkg.validation import check_int
-
-if TYPE_CHECKING:   # the scheduler imports this module
-    from course_pkg.scheduler import Scheduler, StepPlan
-    from course_pkg.sequence import Sequence
 
 
 # ---------------------------------------------------------------- admission
 
 
+@dataclass(frozen=True)
+class StepBuilder:
+    """What an admission policy may do to the step being built (the Scheduler makes one per step).
+
+    ``schedule_prompts(budget)`` schedules waiting prompts, first come first served, within
+    ``budget`` tokens (chunking what does not fit) and returns the tokens scheduled;
+    ``schedule_decodes()`` gives every running sequence its next token (preempting where blocks
+    run out) and returns how many it scheduled; ``has_waiting()`` says whether a request waits.
+    """
+
+    schedule_prompts: Callable[[int], int]
+    schedule_decodes: Callable[[], int]
+    has_waiting: Callable[[], bool]
+    token_budget: int
+
+
 class AdmissionPolicy:
-    """Fills one step's ``plan`` through ``sched._schedule_prompts`` and ``sched._schedule_decodes``."""
+    """Fills one step through a ``StepBuilder``."""
 
     name = "?"
 
-    def schedule(self, sched: Scheduler, plan: StepPlan) -> None:
+    def schedule(self, step: StepBuilder) -> None:
         raise NotImplementedError
 
 
@@ -47,16 +65,16 @@ class PrefillFirst(AdmissionPolicy):
 
     name = "prefill_first"
 
-    def schedule(self, sched: Scheduler, plan: StepPlan) -> None:
-        if sched._schedule_prompts(plan, sched.max_num_batched_tokens):
+    def schedule(self, step: StepBuilder) -> None:
+        if step.schedule_prompts(step.token_budget):
             return
-        if sched._schedule_decodes(plan) or not sched.waiting:
+        if step.schedule_decodes() or not step.has_waiting():
             return
         # The decodes preempted every running sequence, the last one by releasing its own
         # blocks. (check() makes that impossible for this policy -- the oldest runner always
         # fits once the others are gone -- but another block manager may do it.) The pool is
         # free again, so admission goes ahead in this same step.
-        sched._schedule_prompts(plan, sched.max_num_batched_tokens)
+        step.schedule_prompts(step.token_budget)
 
 
 class Mixed(AdmissionPolicy):
@@ -70,9 +88,9 @@ class Mixed(AdmissionPolicy):
 
     name = "mixed"
 
-    def schedule(self, sched: Scheduler, plan: StepPlan) -> None:
-        num_decodes = sched._schedule_decodes(plan)
-        sched._schedule_prompts(plan, sched.max_num_batched_tokens - num_decodes)
+    def schedule(self, step: StepBuilder) -> None:
+        num_decodes = step.schedule_decodes()
+        step.schedule_prompts(step.token_budget - num_decodes)
 
 
 ADMISSION_POLICIES = {"prefill_first": PrefillFirst, "mixed": Mixed}
@@ -91,26 +109,36 @@ def make_admission_policy(scheduling) -> AdmissionPolicy:
 # ---------------------------------------------------------------- preemption
 
 
+@dataclass
+class Preemption:
+    """What a preemption policy did with a victim: its new status, the device-to-CPU block
+    copies to make (``(device block, CPU block)``), and whether a swap fell back to recompute."""
+
+    status: SequenceStatus
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    fallback: bool = False
+
+
 class PreemptionPolicy:
     """What a preempted sequence gives up, and how it comes back."""
 
     name = "?"
+    cpu_pool: CpuBlockPool | None = None   # where swapped-out blocks wait (Swap's)
 
-    def make_cpu_pool(self) -> CpuBlockPool | None:
-        return None
-
-    def preempt(self, sched: Scheduler, seq: Sequence, plan: StepPlan) -> SequenceStatus:
-        """Free ``seq``'s device blocks; return its new status (PREEMPTED or SWAPPED)."""
+    def preempt(self, seq: Sequence, block_manager: BlockManager) -> Preemption:
+        """Free ``seq``'s device blocks."""
         raise NotImplementedError
 
-    def swap_in(self, sched: Scheduler, seq: Sequence, plan: StepPlan) -> bool:
+    def swap_in(self, seq: Sequence, block_manager: BlockManager) -> list[tuple[int, int]] | None:
+        """Give a SWAPPED ``seq`` device blocks again: the ``(CPU block, device block)`` copies to
+        make, or None if its blocks do not fit now."""
         raise RuntimeError(f"sequence {seq.seq_id} is SWAPPED, but preemption_mode={self.name!r} never swaps")
 
-    def release(self, sched: Scheduler, seq: Sequence) -> None:
+    def release(self, seq: Sequence) -> None:
         """``seq`` is aborted: drop whatever the policy keeps for it."""
 
-    def step_done(self, sched: Scheduler, out) -> None:
-        """The step ``out`` ran: its copies are made."""
+    def step_done(self, seqs) -> None:
+        """The step that scheduled ``seqs`` ran: its copies are made."""
 
 
 class Recompute(PreemptionPolicy):
@@ -119,16 +147,16 @@ class Recompute(PreemptionPolicy):
 
     name = "recompute"
 
-    def preempt(self, sched, seq, plan):
-        sched.block_manager.deallocate(seq)
-        return SequenceStatus.PREEMPTED
+    def preempt(self, seq, block_manager):
+        block_manager.deallocate(seq)
+        return Preemption(SequenceStatus.PREEMPTED)
 
 
 class Swap(PreemptionPolicy):
     """The victim's computed blocks are copied to a CPU pool and back on readmission, instead
-    of being recomputed; when the CPU pool has no room it is recomputed (counted as a fallback).
+    of being recomputed; when the CPU pool has no room it is recomputed (a fallback).
 
-    The copies are listed in the step's ``blocks_to_swap_out`` / ``blocks_to_swap_in`` as
+    The copies go into the step's ``blocks_to_swap_out`` / ``blocks_to_swap_in`` as
     ``(src, dst)`` pairs, for whoever owns the KV tensors. A swapped-in sequence's CPU blocks
     are released once the step that copied them back has run.
     """
@@ -138,45 +166,36 @@ class Swap(PreemptionPolicy):
     def __init__(self, num_cpu_blocks: int):
         check_int("num_cpu_blocks", num_cpu_blocks, minimum=1)
         self.num_cpu_blocks = num_cpu_blocks
+        self.cpu_pool = CpuBlockPool(num_cpu_blocks)
 
-    def make_cpu_pool(self) -> CpuBlockPool:
-        return CpuBlockPool(self.num_cpu_blocks)
-
-    def preempt(self, sched, seq, plan):
-        pool, bm = sched.cpu_pool, sched.block_manager
-        num_blocks = -(-seq.num_cached_tokens // sched.block_size)   # the blocks holding computed K/V
-        if not pool.can_swap_out(num_blocks):
-            sched.stats.num_swap_fallbacks += 1
-            bm.deallocate(seq)
-            return SequenceStatus.PREEMPTED
+    def preempt(self, seq, block_manager):
+        num_blocks = -(-seq.num_cached_tokens // block_manager.block_size)   # the blocks holding computed K/V
+        if not self.cpu_pool.can_swap_out(num_blocks):
+            block_manager.deallocate(seq)
+            return Preemption(SequenceStatus.PREEMPTED, fallback=True)
         device_blocks, num_computed = seq.block_table[:num_blocks], seq.num_cached_tokens
-        bm.deallocate(seq)
-        cpu_blocks = pool.swap_out(seq.seq_id, num_blocks, num_computed)
+        block_manager.deallocate(seq)
+        cpu_blocks = self.cpu_pool.swap_out(seq.seq_id, num_blocks, num_computed)
         # Safe although the freed blocks may be handed out again in this same step: the copies
         # run before the forward pass that writes them.
-        plan.blocks_to_swap_out += zip(device_blocks, cpu_blocks)
-        sched.stats.num_swapped_out += 1
-        return SequenceStatus.SWAPPED
+        return Preemption(SequenceStatus.SWAPPED, list(zip(device_blocks, cpu_blocks)))
 
-    def swap_in(self, sched, seq, plan):
-        pool, bm = sched.cpu_pool, sched.block_manager
-        if not bm.can_swap_in(seq):
-            return False
-        bm.allocate_for_swap_in(seq)
-        plan.blocks_to_swap_in += zip(pool.block_table(seq.seq_id), seq.block_table)
-        seq.num_cached_tokens = pool.num_computed_tokens(seq.seq_id)
-        sched.stats.num_swapped_in += 1
-        return True
+    def swap_in(self, seq, block_manager):
+        if not block_manager.can_swap_in(seq):
+            return None
+        block_manager.allocate_for_swap_in(seq)
+        seq.num_cached_tokens = self.cpu_pool.num_computed_tokens(seq.seq_id)
+        return list(zip(self.cpu_pool.block_table(seq.seq_id), seq.block_table))
 
-    def release(self, sched, seq):
-        if seq.seq_id in sched.cpu_pool:
-            sched.cpu_pool.release(seq.seq_id)
+    def release(self, seq):
+        if seq.seq_id in self.cpu_pool:
+            self.cpu_pool.release(seq.seq_id)
 
-    def step_done(self, sched, out):
+    def step_done(self, seqs):
         # A sequence scheduled in the step it was swapped in read its CPU blocks: they are free now.
-        for seq in out.seqs:
-            if seq.seq_id in sched.cpu_pool:
-                sched.cpu_pool.release(seq.seq_id)
+        for seq in seqs:
+            if seq.seq_id in self.cpu_pool:
+                self.cpu_pool.release(seq.seq_id)
 
 
 PREEMPTION_POLICIES = {"recompute": Recompute, "swap": Swap}

@@ -33,20 +33,19 @@ from collections import deque
 from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import repeat
 
 from course_pkg.block import Block
 from course_pkg.block_manager import BlockManager, PrefixCacheStats
 from course_pkg.free_block_queue import FreeBlockQueue
-from course_pkg.policies import (ADMISSION_POLICIES, PREEMPTION_POLICIES, AdmissionPolicy, PreemptionPolicy,
-                                 make_admission_policy, make_preemption_policy)
+from course_pkg.policies import (AdmissionPolicy, PreemptionPolicy, StepBuilder, make_admission_policy,
+                                 make_preemption_policy)
 from course_pkg.sequence import Sequence, SequenceStatus, check_transition
 from course_pkg.swap import CpuBlockPool
 from course_pkg.undo import Journal, journal_of, share
 from course_pkg.validation import check_bool, check_int, check_positive_int, check_token_ids, is_int
 
-SCHEDULING_POLICIES = tuple(ADMISSION_POLICIES)
-PREEMPTION_MODES = tuple(PREEMPTION_POLICIES)
 
 
 @dataclass
@@ -243,7 +242,7 @@ class Scheduler:
         self.proposer = None
         self.spec_decoding_stats = SpecDecodingStats(num_lookahead_tokens)
         self.same_step_prefix_hits = same_step_prefix_hits
-        self.cpu_pool: CpuBlockPool | None = self.preemption.make_cpu_pool()
+        self.cpu_pool: CpuBlockPool | None = self.preemption.cpu_pool
         self.num_steps = 0
         self._overwritten: dict[int, int] | None = None   # K/V an undone step overwrote, not yet dealt with
         # The step's transaction: from here on, every change to this scheduler and what it holds
@@ -348,7 +347,7 @@ class Scheduler:
         with self._transaction(opens="abort a request", commits=True):
             if seq.block_table:
                 self.block_manager.deallocate(seq)
-            self.preemption.release(self, seq)
+            self.preemption.release(seq)
             seq.num_scheduled_tokens = 0
             (self.running if seq in self.running else self.waiting).remove(seq)
             self._set_status(seq, SequenceStatus.FINISHED_ABORTED)
@@ -363,7 +362,9 @@ class Scheduler:
         """
         with self._transaction(opens="schedule a new step"):
             plan = StepPlan()
-            self.admission.schedule(self, plan)
+            self.admission.schedule(StepBuilder(
+                schedule_prompts=partial(self._schedule_prompts, plan), schedule_decodes=partial(self._schedule_decodes, plan),
+                has_waiting=lambda: bool(self.waiting), token_budget=self.max_num_batched_tokens))
             if self.num_lookahead_tokens:
                 self._schedule_lookahead(plan)
             if not plan.seqs and self.waiting:
@@ -504,7 +505,7 @@ class Scheduler:
     def preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Free a running ``seq``'s device blocks and put it first in line. The preemption
         policy decides what it keeps: nothing (recompute) or a CPU copy of its K/V (swap)."""
-        status = self.preemption.preempt(self, seq, plan)
+        status = self._release_victim(seq, plan)
         self.running.remove(seq)
         self._set_status(seq, status)
         seq.num_scheduled_tokens = 0
@@ -513,6 +514,17 @@ class Scheduler:
         self.stats.num_preemptions += 1
         plan.preempted.append(seq)
 
+    def _release_victim(self, seq: Sequence, plan: StepPlan) -> SequenceStatus:
+        """The preemption policy frees ``seq``'s device blocks; the copies it asks for go into the
+        step, and it is counted. Returns the victim's new status (PREEMPTED or SWAPPED)."""
+        done = self.preemption.preempt(seq, self.block_manager)
+        plan.blocks_to_swap_out += done.blocks_to_swap_out
+        if done.fallback:
+            self.stats.num_swap_fallbacks += 1
+        elif done.status == SequenceStatus.SWAPPED:
+            self.stats.num_swapped_out += 1
+        return done.status
+
     def _admit(self, seq: Sequence, plan: StepPlan) -> bool:
         """Give the waiting ``seq`` its blocks, or return False if they do not fit.
 
@@ -520,8 +532,11 @@ class Scheduler:
         swapped one gets fresh blocks that its K/V are copied back into (the policy does it).
         """
         if seq.status == SequenceStatus.SWAPPED:
-            if not self.preemption.swap_in(self, seq, plan):
+            copies = self.preemption.swap_in(seq, self.block_manager)
+            if copies is None:
                 return False
+            plan.blocks_to_swap_in += copies
+            self.stats.num_swapped_in += 1
         else:
             num_cached_blocks = self.block_manager.can_allocate(seq)
             if num_cached_blocks == -1:
@@ -615,7 +630,7 @@ class Scheduler:
                 bm.hash_blocks(seq)
         for seq in finished:
             bm.deallocate(seq)
-        self.preemption.step_done(self, out)
+        self.preemption.step_done(out.seqs)
         self.num_steps += 1
         return finished
 
@@ -798,7 +813,7 @@ class Scheduler:
 #: What a step may change: the journal enrols the instances of these classes (subclasses too)
 #: that a Scheduler holds, and nothing else.
 STEP_STATE = (Scheduler, SchedulerStats, SpecDecodingStats, BlockManager, Block, FreeBlockQueue, PrefixCacheStats,
-              CpuBlockPool, Sequence)
+              CpuBlockPool, Sequence, PreemptionPolicy)
 share(Sequence._ids)   # the ids of new sequences: a fork undone gives its id back
 
 

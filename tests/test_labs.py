@@ -118,7 +118,7 @@ class ScratchScheduler(Scheduler):
         return count
 
     def preempt(self, seq, plan):
-        seq.status = self.preemption.preempt(self, seq, plan)
+        seq.status = self._release_victim(seq, plan)
         self.running.remove(seq)
         seq.num_scheduled_tokens = 0
         seq.num_preemptions += 1

@@ -41,6 +41,7 @@ PRIVATE_MEMBERS: dict[tuple[str, str], str] = {
     ("course_pkg.scheduler:Scheduler", "_choose_victim"): "mutants.PreemptOldestScheduler; solution of scheduler",
     ("course_pkg.scheduler:Scheduler", "_schedule_tokens"): "stubs (docstrings: how to schedule a sequence)",
     ("course_pkg.scheduler:Scheduler", "_admit"): "stubs.StudentMixedScheduler (docstring: how to admit a prompt)",
+    ("course_pkg.scheduler:Scheduler", "_release_victim"): "stubs.StudentScheduler (docstring: how to preempt)",
     ("course_pkg.block_manager:BlockManager", "_release_to_head"):
         "stubs.StudentRollbackBlockManager (docstring); mutants.TailReleaseRollbackBlockManager",
     ("course_pkg.block_manager:BlockManager", "_num_verified_blocks"): "mutants of lab rollback (the blocks kept)",

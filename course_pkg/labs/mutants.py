@@ -496,10 +496,10 @@ class PreemptToTailScheduler(Scheduler):
 class _DecodeFirst(AdmissionPolicy):
     name = "decode_first (a mutant)"
 
-    def schedule(self, sched, plan) -> None:
-        if sched.running and sched._schedule_decodes(plan):
+    def schedule(self, step) -> None:
+        if step.schedule_decodes():   # (nothing runs: it schedules none)
             return
-        sched._schedule_prompts(plan, sched.max_num_batched_tokens)
+        step.schedule_prompts(step.token_budget)
 
 
 class DecodeFirstScheduler(Scheduler):
@@ -514,9 +514,9 @@ class DecodeFirstScheduler(Scheduler):
 class _PromptsFirst(AdmissionPolicy):
     name = "mixed, prompts first (a mutant)"
 
-    def schedule(self, sched, plan) -> None:
-        if not sched._schedule_prompts(plan, sched.max_num_batched_tokens):   # the bug: decodes wait
-            sched._schedule_decodes(plan)
+    def schedule(self, step) -> None:
+        if not step.schedule_prompts(step.token_budget):   # the bug: decodes wait
+            step.schedule_decodes()
 
 
 class PromptsFirstMixedScheduler(Scheduler):
@@ -531,9 +531,9 @@ class PromptsFirstMixedScheduler(Scheduler):
 class _BudgetIgnored(AdmissionPolicy):
     name = "mixed, budget not shared (a mutant)"
 
-    def schedule(self, sched, plan) -> None:
-        sched._schedule_decodes(plan)
-        sched._schedule_prompts(plan, sched.max_num_batched_tokens)   # the bug: no "- decodes"
+    def schedule(self, step) -> None:
+        step.schedule_decodes()
+        step.schedule_prompts(step.token_budget)   # the bug: no "- decodes"
 
 
 class BudgetIgnoredMixedScheduler(Scheduler):

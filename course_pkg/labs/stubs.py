@@ -203,8 +203,8 @@ class StudentScheduler(Scheduler):
         ...
 
     def preempt(self, seq: Sequence, plan: StepPlan) -> None:
-        """Free running ``seq``'s blocks (``self.preemption.preempt(self, seq, plan)`` returns its
-        new status), take it out of ``running`` and put it first in ``waiting``; count it in
+        """Free running ``seq``'s blocks (``self._release_victim(seq, plan)`` asks the preemption
+        policy and returns its new status), take it out of ``running`` and put it first in ``waiting``; count it in
         ``seq.num_preemptions`` and ``self.stats.num_preemptions``; list it in ``plan.preempted``.
         (Plain changes are enough: the step's journal records them by itself, chapter 06.)"""
         ...

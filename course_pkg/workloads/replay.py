@@ -18,14 +18,16 @@ many times is admitted next (the oldest such first).
 """
 from __future__ import annotations
 
+import argparse
 import itertools
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
 
 from course_pkg.validation import check_choice, check_int, check_positive_int
 from course_pkg.workloads.cache_policies import POLICIES, CachePolicy
-from course_pkg.workloads.traces import TraceRequest
+from course_pkg.workloads.traces import TraceRequest, load_trace, summarize
 
 ORDERS = ("fcfs", "lpm")
 
@@ -153,3 +155,33 @@ def _pick(cache: CachePolicy, waiting: list[int], all_ids, overtaken, order: str
         if h > best_hits:             # strictly more: the oldest wins a tie
             best, best_hits = pos, h
     return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m course_pkg.workloads.replay",
+                                     description="Describe or replay a Mooncake (.jsonl) or Azure (.csv) trace.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_describe = sub.add_parser("describe", help="lengths and sharing of a trace")
+    p_describe.add_argument("trace")
+    p_describe.add_argument("--limit", type=int, default=None, help="read the first N requests only")
+    p_replay = sub.add_parser("replay", help="replay a trace through a cache policy")
+    p_replay.add_argument("trace")
+    p_replay.add_argument("--policy", choices=sorted(POLICIES), default="vllm")
+    p_replay.add_argument("--pool", type=int, required=True, help="KV blocks in the pool")
+    p_replay.add_argument("--concurrency", type=int, default=16, help="requests holding blocks at once")
+    p_replay.add_argument("--limit", type=int, default=None, help="replay the first N requests only")
+    args = parser.parse_args(argv)
+    try:
+        trace = load_trace(args.trace, args.limit)
+        if args.command == "describe":
+            print(summarize(trace))
+        else:
+            print(replay(trace, args.policy, args.pool, concurrency=args.concurrency))
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,16 +13,14 @@ projects publish in the same formats load unchanged. A line that does not parse 
 
 From a shell::
 
-    python -m course_pkg.workloads.traces describe data/mooncake_synthetic_trace.jsonl
-    python -m course_pkg.workloads.traces replay data/mooncake_synthetic_trace.jsonl --policy radix --pool 4000
+    python -m course_pkg.workloads.replay describe data/mooncake_synthetic_trace.jsonl
+    python -m course_pkg.workloads.replay replay data/mooncake_synthetic_trace.jsonl --policy radix --pool 4000
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
-import sys
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -199,35 +197,3 @@ def summarize(trace: list[TraceRequest]) -> TraceSummary:
         num_blocks=sum(len(r.hash_ids) for r in with_ids),
         num_distinct_blocks=len({x for r in with_ids for x in r.hash_ids}),
         max_request_blocks=max((len(r.hash_ids) for r in with_ids), default=0))
-
-
-def main(argv: list[str] | None = None) -> int:
-    from course_pkg.workloads.replay import POLICIES, replay
-
-    parser = argparse.ArgumentParser(prog="python -m course_pkg.workloads.traces",
-                                     description="Describe or replay a Mooncake (.jsonl) or Azure (.csv) trace.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_describe = sub.add_parser("describe", help="lengths and sharing of a trace")
-    p_describe.add_argument("trace")
-    p_describe.add_argument("--limit", type=int, default=None, help="read the first N requests only")
-    p_replay = sub.add_parser("replay", help="replay a trace through a cache policy")
-    p_replay.add_argument("trace")
-    p_replay.add_argument("--policy", choices=sorted(POLICIES), default="vllm")
-    p_replay.add_argument("--pool", type=int, required=True, help="KV blocks in the pool")
-    p_replay.add_argument("--concurrency", type=int, default=16, help="requests holding blocks at once")
-    p_replay.add_argument("--limit", type=int, default=None, help="replay the first N requests only")
-    args = parser.parse_args(argv)
-    try:
-        trace = load_trace(args.trace, args.limit)
-        if args.command == "describe":
-            print(summarize(trace))
-        else:
-            print(replay(trace, args.policy, args.pool, concurrency=args.concurrency))
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
