@@ -91,21 +91,6 @@ class SpecDecodingStats:
         if not self.num_accepted_tokens_per_pos:
             self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
 
-    @property
-    def draft_acceptance_rate(self) -> float:
-        """Accepted draft tokens / draft tokens."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens a speculating step yields on average: 1 (the target's own) + accepted drafts
-        (vLLM's "mean acceptance length")."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
-    @property
-    def acceptance_rate_per_pos(self) -> list[float]:
-        return [n / self.num_drafts if self.num_drafts else 0.0 for n in self.num_accepted_tokens_per_pos]
-
 
 @dataclass(frozen=True)
 class SchedulerOutput:
@@ -267,12 +252,14 @@ class Scheduler:
         With ``n`` completions, the full blocks of the prompt are shared by all of them and
         every completion holds the rest on its own.
         """
-        final_len = seq.num_prompt_tokens + seq.max_tokens
-        if self.max_model_len is not None:
-            final_len = min(final_len, self.max_model_len)
-        per_completion = (final_len - 1 + self.block_size - 1) // self.block_size
+        per_completion = (self._final_len(seq) - 1 + self.block_size - 1) // self.block_size
         shared = min(seq.num_prompt_tokens // self.block_size, per_completion)
         return shared + seq.sampling_params.n * (per_completion - shared)
+
+    def _final_len(self, seq: Sequence) -> int:
+        """The most tokens ``seq`` can reach: its prompt plus ``max_tokens``, within ``max_model_len``."""
+        final_len = seq.num_prompt_tokens + seq.max_tokens
+        return final_len if self.max_model_len is None else min(final_len, self.max_model_len)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request, or raise if it can never run (and queue nothing)."""
@@ -477,10 +464,7 @@ class Scheduler:
                    and self._num_samples(s) == 1]
         total = 0
         for seq in decodes:
-            final_len = seq.num_prompt_tokens + seq.max_tokens
-            if self.max_model_len is not None:
-                final_len = min(final_len, self.max_model_len)
-            wanted = min(self.num_lookahead_tokens, final_len - seq.num_tokens - 1, budget - total)
+            wanted = min(self.num_lookahead_tokens, self._final_len(seq) - seq.num_tokens - 1, budget - total)
             if wanted <= 0:
                 continue
             if self.proposer is not None:

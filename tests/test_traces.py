@@ -19,9 +19,9 @@ from course_pkg import BlockManager, Sequence
 from course_pkg.radix_tree import RadixCache
 from course_pkg.validation import check_token_ids
 from course_pkg.workloads.cache_policies import POLICIES, CachePolicy, RadixPolicy
-from course_pkg.workloads.replay import block_ids_of, replay
+from course_pkg.workloads.replay import block_ids_of, main, replay
 from course_pkg.workloads.traces import (AZURE_CODE_TRACE, MOONCAKE_TRACE, TraceFormatError, TraceRequest,
-                                         load_azure, load_mooncake, load_trace, main, summarize)
+                                         load_azure, load_mooncake, load_trace, summarize)
 
 ONLINE = ["vllm", "forward", "lru", "radix"]
 
