@@ -12,15 +12,18 @@ Python objects, and it does it *by itself*: the code the chapters teach (``block
 ``sequence.py``, ``free_block_queue.py``, ``block_manager.py``, the scheduler's decisions) is
 plain Python that knows nothing of it.
 
-* ``adopt(obj, journal)`` enrols an object: its class is swapped for a subclass (same name,
-  same fields) whose ``__setattr__`` writes the attribute's old value to the journal before
-  it writes the new one, and every list, dict, set, deque or array it holds is swapped for a
-  journaled copy whose mutating methods write how to reverse them first (``append`` -> "cut
-  back to this length", ``d[k] = v`` -> "put the old value back", ``remove`` -> "put it back
-  at its place"). What an enrolled object takes in later -- a sequence put into a queue, a
-  list assigned to a field -- is enrolled with it, so the whole reachable state stays
-  journaled. Only instances of the classes named by ``follow`` are enrolled (the scheduler
-  names the core's: a step changes nothing else).
+* ``Journal.adopt(obj)`` enrols an object: its class is swapped for a *watched* subclass (same
+  name, same fields) whose ``__setattr__`` writes the object's before-image -- all its fields --
+  to the journal at its first change in a transaction, then swaps the object to an unwatched
+  twin, so that its later changes in that transaction cost nothing (at the end it is watched
+  again). Every list, dict, set, deque or array it holds is swapped for a journaled copy whose
+  mutating methods write how to reverse them first (``append`` -> "cut back to this length",
+  ``d[k] = v`` -> "put the old value back", ``remove`` -> "put it back at its place"): the
+  free queue's links or the prefix index are far too big to copy for each change. What an
+  enrolled object takes in later -- a sequence put into a queue, a list assigned to a field --
+  is enrolled with it, so the whole reachable state stays journaled. Only instances of the
+  classes named by ``follow`` are enrolled (the scheduler names the core's: a step changes
+  nothing else).
 * ``Journal.begin`` starts recording; ``commit`` forgets the log; ``rollback`` runs it
   backwards, newest first, so each inverse meets exactly the state its change left behind.
 
@@ -32,7 +35,7 @@ short by a second fault is simply run again. Outside a transaction an enrolled o
 test per change; objects never enrolled (a BlockManager of chapters 02-04 on its own) pay
 nothing at all.
 
-What no undo log can give back is memory: the K/V a step wrote into the cache. The model
+What no journal can give back is memory: the K/V a step wrote into the cache. The model
 runner knows which slots it wrote (``ModelRunner.abort_step``); after a rollback the blocks
 they belong to lose their cache entries and a sequence whose computed tokens were overwritten
 is recomputed (``BlockManager.forget_overwritten``).
