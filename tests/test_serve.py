@@ -781,3 +781,29 @@ def test_a_completion_ended_by_a_stop_string_stops_generating_while_its_sibling_
         assert wait_idle(llm)[0] == CONFIG["num_kvcache_blocks"]
     finally:
         llm.shutdown()
+
+
+def test_streamed_logprobs_are_each_tokens_own_also_for_a_speculative_step(one_torch_thread):
+    """The engine hands out what each step appended with a log-probability per token
+    (``step_core``): a speculative step that yields several tokens streams a finite
+    log-probability for each, and they add up to the offline completion's cumulative one."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    kwargs = dict(device="cpu", attention_backend="torch", block_size=4, num_kvcache_blocks=64, speculative_config=spec)
+    prompt = "the cache the cache the cache the cache the cache"
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    [want] = LLM(default_model_path(), **kwargs).generate([prompt], params, use_tqdm=False)
+    llm = AsyncLLM(default_model_path(), **kwargs)
+    try:
+        async def main():
+            return [o async for o in llm.generate(prompt, params, output_kind=RequestOutputKind.DELTA)]
+        outs = asyncio.run(main())
+        spec_steps = llm.engine.get_metrics().spec_decode_num_accepted_tokens
+    finally:
+        llm.shutdown()
+    tokens = [t for o in outs for t in o.outputs[0].token_ids]
+    logprobs = [lp for o in outs for lp in o.outputs[0].logprobs]
+    assert tokens == want.token_ids and len(logprobs) == len(tokens)
+    assert spec_steps > 0, "no step accepted a draft: the prompt must repeat"
+    assert any(len(o.outputs[0].token_ids) > 1 for o in outs), "no step streamed several tokens"
+    assert all(lp == lp and lp <= 0 for lp in logprobs)   # no NaN
+    assert abs(sum(logprobs) - want.outputs[0].cumulative_logprob) < 1e-4

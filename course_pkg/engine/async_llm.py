@@ -16,8 +16,9 @@ course's version of it::
   ``add_request``, ``abort_request`` and ``step`` runs on the engine thread, which takes
   commands from a queue between steps and sleeps on it when nothing is left to do. The core's
   semantics are untouched: the loop is a caller of ``add_request``/``step``/``abort_request``.
-* **Tokens out after every step.** The engine thread sends each live request's new token ids
-  (and their log-probabilities) to the caller's event loop; the *output processor* on that
+* **Tokens out after every step.** ``LLMEngine.step_core`` returns what the step brought each
+  request (vLLM's ``EngineCoreOutput``: new token ids and their log-probabilities per
+  completion, finish reasons), and the engine thread sends that to the caller's event loop; the *output processor* on that
   side turns them into text, finds stop strings and shapes the output as vLLM's
   ``RequestOutputKind`` asks: ``DELTA`` (what is new), ``CUMULATIVE`` (everything so far) or
   ``FINAL_ONLY``. (In vLLM the processor runs in the API-server process and the engine core in
@@ -122,7 +123,6 @@ class RequestState:
         # Engine thread only:
         self.engine_id: int | None = None
         self.seq = None                          # the request's first Sequence (forks hang from it)
-        self.seen: dict[int, tuple[int, float]] = {}   # completion index -> (tokens, cumulative logprob)
         self.seq_prompt_ids: list[int] = []
         # Output processor only:
         self.completions = [_Completion(i) for i in range(sampling_params.n)]
@@ -468,8 +468,13 @@ class AsyncLLM:
             out = self.engine.abort_request(state.engine_id)
         except KeyError:
             out = None
-        # The caller's generate() (if it still listens) ends with finish_reason "abort".
-        state.put(self._collect(state, out) or _Delta({}, {}, {}, len(state.seq_prompt_ids), 0, None, True))
+        # The caller's generate() (if it still listens) ends with finish_reason "abort". Every token
+        # went out with the step that made it: only the finish reasons are new.
+        if out is None:
+            state.put(_Delta({}, {}, {}, len(state.seq_prompt_ids), 0, None, True))
+        else:
+            state.put(_Delta({}, {}, {c.index: c.finish_reason for c in out.outputs}, len(state.seq_prompt_ids),
+                             out.num_cached_tokens, _copy_metrics(out.metrics), True))
         self._publish()
 
     def _do_stop_completions(self, arg) -> None:
@@ -505,49 +510,23 @@ class AsyncLLM:
 
     def _step(self) -> None:
         try:
-            finished = self.engine.step()
+            core, _ = self.engine.step_core()
         except Exception as e:
             self._on_step_fault(e)
             return
         self._faults = 0
-        done = {out.request_id: out for out in finished}
         deltas = []
-        for rid, state in list(self._states.items()):
-            out = done.get(rid)
-            delta = self._collect(state, out)
-            if out is not None:
-                del self._states[rid]
-            if delta is not None:
-                deltas.append((state, delta))
+        for c in core:   # what the step brought each request: nothing to diff
+            state = self._states.get(c.request_id)
+            if state is None:
+                continue
+            if c.finished:
+                del self._states[c.request_id]
+            deltas.append((state, _Delta(c.new_token_ids, c.new_logprobs, c.finish_reasons, len(state.seq_prompt_ids),
+                                         c.num_cached_tokens, c.metrics, finished=c.finished)))
         self._publish()   # first the listeners (the dashboard) see the step, then the callers get its tokens
         for state, delta in deltas:
             state.put(delta)
-
-    def _collect(self, state: RequestState, out: RequestOutput | None) -> _Delta | None:
-        """The tokens a request gained in the last step (read off its live sequences)."""
-        seqs = [state.seq] + list(state.seq.children)
-        new_tokens, new_lps, reasons = {}, {}, {}
-        for seq in seqs:
-            seen, cum = state.seen.get(seq.index, (0, 0.0))
-            tokens = seq.completion_token_ids
-            if len(tokens) > seen:
-                new_tokens[seq.index] = tokens[seen:]
-                # One token per step: its log-probability is what the cumulative sum grew by.
-                new_lps[seq.index] = [seq.cumulative_logprob - cum] if len(tokens) == seen + 1 \
-                    else [float("nan")] * (len(tokens) - seen)
-                state.seen[seq.index] = (len(tokens), seq.cumulative_logprob)
-            if seq.is_finished:
-                reasons[seq.index] = seq.finish_reason
-        if not new_tokens and out is None and not reasons:
-            return None
-        req = self.engine._requests.get(state.engine_id)   # the times so far (no public accessor yet)
-        metrics = out.metrics if out is not None else (req.metrics if req is not None else None)
-        cached = out.num_cached_tokens if out is not None else (req.num_cached_tokens if req is not None else 0)
-        if metrics is not None:   # a copy: the engine goes on appending to the live one
-            metrics = replace(metrics, inter_token_latencies=list(metrics.inter_token_latencies),
-                              token_steps=list(metrics.token_steps))
-        return _Delta(new_tokens, new_lps, reasons, len(state.seq_prompt_ids), cached, metrics,
-                      finished=out is not None)
 
     def _on_step_fault(self, error: Exception) -> None:
         """A step raised and was rolled back. Retry it; if it keeps failing, fail its requests."""
@@ -617,6 +596,11 @@ class AsyncLLM:
             for seq in [state.seq] + list(state.seq.children):
                 names[state.request_id + (f"/{seq.index}" if seq.index else "")] = seq
         return names
+
+
+def _copy_metrics(metrics: RequestMetrics) -> RequestMetrics:
+    return replace(metrics, inter_token_latencies=list(metrics.inter_token_latencies),
+                   token_steps=list(metrics.token_steps))
 
 
 def _set_result(future: asyncio.Future, value) -> None:

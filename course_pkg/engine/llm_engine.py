@@ -32,14 +32,14 @@ import threading
 import time
 from collections.abc import Sequence as SequenceABC
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from course_pkg.engine.config import EngineConfig
 from course_pkg.engine.inputs import PromptType, parse_prompt
 from course_pkg.engine.model_runner import ModelRunner
-from course_pkg.engine.outputs import (CompletionOutput, EngineMetrics, ModelRunnerOutput, RequestMetrics,
-                                       RequestOutput, StepInfo)
+from course_pkg.engine.outputs import (CompletionOutput, EngineCoreOutput, EngineMetrics, ModelRunnerOutput,
+                                       RequestMetrics, RequestOutput, StepInfo)
 from course_pkg.sampling_params import SamplingParams
 from course_pkg.scheduler import Scheduler, SchedulerOutput
 from course_pkg.sequence import Sequence
@@ -239,6 +239,15 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step, a transaction; return the requests that finished in it."""
+        return self._step(deltas=False)[1]
+
+    def step_core(self) -> tuple[list[EngineCoreOutput], list[RequestOutput]]:
+        """``step``, plus what it brought every request it touched (``EngineCoreOutput``: new
+        tokens and their log-probabilities per completion, finish reasons) -- what a caller that
+        streams (``AsyncLLM``) passes on, with nothing to diff."""
+        return self._step(deltas=True)
+
+    def _step(self, deltas: bool) -> tuple[list[EngineCoreOutput], list[RequestOutput]]:
         with self._exclusive():
             sched, runner = self.scheduler, self.model_runner
             sched.unschedule()   # finishes a rollback that an interrupt cut short (usually nothing)
@@ -262,9 +271,42 @@ class LLMEngine:
                 preempted=tuple(s.seq_id for s in out.preempted), finished=tuple(ready),
                 copies=out.blocks_to_copy, swap_out=out.blocks_to_swap_out, swap_in=out.blocks_to_swap_in)
             self.num_steps += 1
+            core = self._core_outputs(out, result, finished) if deltas else {}
             outputs = self._hand_out()
+            for o in outputs:   # handed out now: the request is finished (its last tokens may be older)
+                c = core.get(o.request_id)
+                core[o.request_id] = replace(c, finished=True, metrics=o.metrics) if c is not None else \
+                    EngineCoreOutput(o.request_id, {}, {}, {x.index: x.finish_reason for x in o.outputs},
+                                     o.num_cached_tokens, o.metrics, finished=True)
             self._observe_finished(outputs)
-            return outputs
+            return list(core.values()), outputs
+
+    def _core_outputs(self, out: SchedulerOutput, result: ModelRunnerOutput,
+                      finished: list[Sequence]) -> dict[int, EngineCoreOutput]:
+        """Per request, what the step ``out`` appended (read off the step's own values)."""
+        lookahead = out.num_lookahead_tokens or (0,) * len(out.seqs)
+        new: dict[int, tuple[dict, dict, dict]] = {}
+        for i, seq in enumerate(out.seqs):
+            tokens = result.sampled_token_ids[i]
+            if not tokens:
+                continue
+            start = out.num_computed_tokens[i] + out.num_scheduled_tokens[i] - lookahead[i]   # its length before
+            ids, lps, _ = new.setdefault(seq.request_id, ({}, {}, {}))
+            if out.num_samples[i] > 1:   # it forked now: completion j got token j
+                for s, lp in zip([seq] + seq.children, result.logprobs[i]):
+                    ids[s.index], lps[s.index] = s.token_ids[start:], [lp]
+            else:   # (a speculative step may append fewer than it sampled: it finished part-way)
+                ids[seq.index] = seq.token_ids[start:]
+                lps[seq.index] = list(result.logprobs[i][:len(ids[seq.index])])
+        for seq in finished:
+            new.setdefault(seq.request_id, ({}, {}, {}))[2][seq.index] = seq.finish_reason
+        core = {}
+        for rid, (ids, lps, reasons) in new.items():
+            req = self._requests[rid]
+            metrics = replace(req.metrics, inter_token_latencies=list(req.metrics.inter_token_latencies),
+                              token_steps=list(req.metrics.token_steps))
+            core[rid] = EngineCoreOutput(rid, ids, lps, reasons, req.num_cached_tokens, metrics)
+        return core
 
     def _note_step(self, out: SchedulerOutput, result: ModelRunnerOutput, now: float) -> None:
         """Per request: preemptions, the first schedule (and the prefix-cache hit then), token times."""

@@ -25,6 +25,23 @@ class ModelRunnerOutput:
     draft_token_ids: list[list[int]] | None = None
 
 
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    """What one step brought one request (vLLM v1's name): per completion index, the tokens the
+    step appended (``new_token_ids``) and their log-probabilities (``new_logprobs``, one per
+    token, also for the several tokens of a speculative step), the completions that finished in
+    it and why (``finish_reasons``), and a copy of the request's metrics. ``finished``: every
+    completion has finished and the request was handed out in this step."""
+
+    request_id: int
+    new_token_ids: dict[int, list[int]]
+    new_logprobs: dict[int, list[float]]
+    finish_reasons: dict[int, str]
+    num_cached_tokens: int
+    metrics: "RequestMetrics"
+    finished: bool = False
+
+
 @dataclass
 class RequestMetrics:
     """Times (``time.perf_counter`` seconds) in the life of one request.
