@@ -108,7 +108,15 @@ class FreeBlockQueue:
 
     def append(self, block_id: int) -> None:
         """Put ``block_id`` at the tail (it becomes the most recently freed)."""
-        self._link_after(self._prev[self._tail], block_id)
+        prev, nxt = self._prev, self._next
+        if type(block_id) is not int or not 0 <= block_id < self.num_blocks or prev[block_id] != _NONE:
+            return self._link_after(prev[self._tail], block_id)   # (it raises, naming what is wrong)
+        before = prev[self._tail]
+        nxt[before] = block_id
+        prev[block_id] = before
+        nxt[block_id] = self._tail
+        prev[self._tail] = block_id
+        self._len += 1
 
     def appendleft(self, block_id: int) -> None:
         """Put ``block_id`` at the head: it is handed out next (speculative decoding gives back
