@@ -664,9 +664,6 @@ class JournaledArray(array):
                 journal._log.append((_restore_array, self, array(self.typecode, self)))
         array.__setitem__(self, index, value)
 
-    def _whole(self):
-        _note(self, _restore_array, self, array(self.typecode, self))
-
     def __delitem__(self, index) -> None:
         raise TypeError("a journaled array keeps its length")
 
