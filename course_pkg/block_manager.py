@@ -20,7 +20,8 @@ prefix-cache hit never rests on the hash being free of collisions; see ``_match_
 
 The free queue is a ``deque`` by default (chapters 02-03). ``free_queue="linked"`` swaps in
 the doubly linked ``FreeBlockQueue`` (chapter 03), which removes a revived block from the
-middle in O(1) and hands out the very same block ids.
+middle in O(1) and hands out the very same block ids. The deque is a teaching default: the
+engine always passes ``EngineConfig.free_queue`` ("linked").
 
 Statistics, named as vLLM names them: ``prefix_cache_stats`` counts prefix-cache
 ``queries`` and ``hits`` in tokens, per first admission (a readmission after preemption is

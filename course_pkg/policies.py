@@ -201,22 +201,26 @@ class Swap(PreemptionPolicy):
 PREEMPTION_POLICIES = {"recompute": Recompute, "swap": Swap}
 
 
-def make_preemption_policy(preemption_mode, num_cpu_blocks: int | None = None) -> PreemptionPolicy:
-    """``preemption_mode`` by name ("recompute", or "swap" with ``num_cpu_blocks``), or a
-    ``PreemptionPolicy`` as it is."""
-    if isinstance(preemption_mode, PreemptionPolicy):
-        return preemption_mode
+def check_preemption_mode(preemption_mode: str, num_cpu_blocks: int | None) -> None:
+    """The rule between ``preemption_mode`` and ``num_cpu_blocks`` (``EngineConfig`` checks it
+    through here too): "swap" needs a CPU pool of at least one block, "recompute" none."""
     if not isinstance(preemption_mode, str) or preemption_mode not in PREEMPTION_POLICIES:
         raise ValueError(f"preemption_mode must be one of {tuple(PREEMPTION_POLICIES)} or a PreemptionPolicy, "
                          f"got {preemption_mode!r}")
     if num_cpu_blocks is not None:
         check_int("num_cpu_blocks", num_cpu_blocks, minimum=0)
-    if preemption_mode == "swap":
-        if not num_cpu_blocks:
-            raise ValueError(f"preemption_mode='swap' needs a CPU block pool to swap to, but num_cpu_blocks="
-                             f"{num_cpu_blocks!r}; pass num_cpu_blocks >= 1, or use preemption_mode='recompute'")
-        return Swap(num_cpu_blocks)
-    if num_cpu_blocks:
+    if preemption_mode == "swap" and not num_cpu_blocks:
+        raise ValueError(f"preemption_mode='swap' needs a CPU block pool to swap to, but num_cpu_blocks="
+                         f"{num_cpu_blocks!r}; pass num_cpu_blocks >= 1, or use preemption_mode='recompute'")
+    if preemption_mode == "recompute" and num_cpu_blocks:
         raise ValueError(f"num_cpu_blocks={num_cpu_blocks!r} sizes the CPU pool of preemption_mode='swap'; "
                          "with preemption_mode='recompute' nothing is swapped (leave it None)")
-    return Recompute()
+
+
+def make_preemption_policy(preemption_mode, num_cpu_blocks: int | None = None) -> PreemptionPolicy:
+    """``preemption_mode`` by name ("recompute", or "swap" with ``num_cpu_blocks``), or a
+    ``PreemptionPolicy`` as it is."""
+    if isinstance(preemption_mode, PreemptionPolicy):
+        return preemption_mode
+    check_preemption_mode(preemption_mode, num_cpu_blocks)
+    return Swap(num_cpu_blocks) if preemption_mode == "swap" else Recompute()

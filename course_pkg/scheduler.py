@@ -159,6 +159,13 @@ class StepPlan:
     spec_tokens: dict[int, list[int]] = field(default_factory=dict)   # id(seq) -> drafts proposed here
 
 
+def check_same_step_prefix_hits(same_step_prefix_hits: bool, enable_prefix_caching: bool) -> None:
+    """The rule between the two (``EngineConfig`` checks it through here too): a block can be
+    found in the step that fills it only if blocks are registered at all."""
+    if same_step_prefix_hits and not enable_prefix_caching:
+        raise ValueError("same_step_prefix_hits=True needs prefix caching, but enable_prefix_caching is False")
+
+
 class Scheduler:
     """Continuous batching over one BlockManager: admission, chunked prefill, preemption.
 
@@ -167,25 +174,31 @@ class Scheduler:
     decides when and why it finished, and aborts it.
     """
 
-    def __init__(self, num_kvcache_blocks: int, block_size: int = 16, *,
+    def __init__(self, num_kvcache_blocks: int, block_size: int, *,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 eos_token_id: int | Iterable[int] | None = None, free_queue: str = "linked",
+                 eos_token_id: int | Iterable[int] | None = None,
                  block_manager: BlockManager | None = None,
                  scheduling: str | AdmissionPolicy = "prefill_first",
                  preemption_mode: str | PreemptionPolicy = "recompute", num_cpu_blocks: int | None = None,
-                 same_step_prefix_hits: bool = False, num_lookahead_tokens: int = 0):
-        """``block_manager``: an existing manager to schedule over (e.g. a course foil such as
-        ``foils.ForwardReleaseBlockManager``), instead of a new ``BlockManager`` built from
-        ``num_kvcache_blocks``, ``block_size``, ``enable_prefix_caching`` and ``free_queue``.
-        Its pool size and block size must equal ``num_kvcache_blocks`` and ``block_size``;
-        prefix caching and the free queue are then the given manager's own.
+                 same_step_prefix_hits: bool = False, num_lookahead_tokens: int = 0, proposer=None):
+        """``block_manager``: an existing manager to schedule over (the engine's, built with its
+        ``free_queue``; or a course foil such as ``foils.ForwardReleaseBlockManager``), instead of
+        a new ``BlockManager(num_kvcache_blocks, block_size, enable_prefix_caching)``. Its pool
+        size and block size must equal ``num_kvcache_blocks`` and ``block_size``; prefix caching
+        and the free queue are then the given manager's own.
 
         ``scheduling`` and ``preemption_mode`` name a policy of ``course_pkg.policies`` (or
         are one); ``num_cpu_blocks`` sizes the CPU pool of ``preemption_mode="swap"``;
         ``same_step_prefix_hits`` registers blocks when they are scheduled (chapter 09).
         ``num_lookahead_tokens``: slots for up to that many draft tokens per decoding sequence
-        and step (speculative decoding, chapter 14; 0: none).
+        and step (speculative decoding, chapter 14; 0: none). ``proposer``: a torch-free one
+        (``NgramProposer``) that the scheduler runs itself, so that it takes slots only for
+        drafts that exist; None: the model runner proposes into the slots.
+
+        The keyword defaults are for a Scheduler used on its own (chapters 03-09 and the
+        tests); ``LLMEngine`` passes every one of them from its ``EngineConfig``, where the
+        engine's defaults and the rules between fields are decided.
         """
         self.admission = make_admission_policy(scheduling)
         self.preemption = make_preemption_policy(preemption_mode, num_cpu_blocks)
@@ -197,15 +210,13 @@ class Scheduler:
             check_positive_int("max_model_len", max_model_len)
         check_bool("enable_prefix_caching", enable_prefix_caching)
         if block_manager is None:
-            block_manager = BlockManager(num_kvcache_blocks, block_size, enable_prefix_caching,
-                                         free_queue=free_queue)
+            block_manager = BlockManager(num_kvcache_blocks, block_size, enable_prefix_caching)
         elif (block_manager.num_blocks, block_manager.block_size) != (num_kvcache_blocks, block_size):
             raise ValueError(f"block_manager has {block_manager.num_blocks} blocks of {block_manager.block_size} "
                              f"tokens, but num_kvcache_blocks={num_kvcache_blocks!r} and block_size={block_size!r}")
         if journal_of(block_manager) is not None:
             raise ValueError("block_manager belongs to another Scheduler already; give each Scheduler its own")
-        if same_step_prefix_hits and not block_manager.enable_prefix_caching:
-            raise ValueError("same_step_prefix_hits=True needs prefix caching: enable_prefix_caching is False")
+        check_same_step_prefix_hits(same_step_prefix_hits, block_manager.enable_prefix_caching)
         self.block_manager = block_manager
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -222,9 +233,7 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.stats = SchedulerStats()
         self.num_lookahead_tokens = num_lookahead_tokens
-        # A torch-free proposer (NgramProposer) the scheduler runs itself, so that it takes
-        # slots only for drafts that exist; None: the model runner proposes into the slots.
-        self.proposer = None
+        self.proposer = proposer
         self.spec_decoding_stats = SpecDecodingStats(num_lookahead_tokens)
         self.same_step_prefix_hits = same_step_prefix_hits
         self.cpu_pool: CpuBlockPool | None = self.preemption.cpu_pool

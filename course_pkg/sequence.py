@@ -87,7 +87,7 @@ class Sequence:
     _ids: "SequenceIds"   # (set below the class) ids in order, each once
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
-                 block_size: int = 16, cache_salt: str | None = None):
+                 *, block_size: int, cache_salt: str | None = None):
         check_positive_int("block_size", block_size)
         cache_salt = check_cache_salt(cache_salt)
         token_ids = check_token_ids("token_ids", token_ids)

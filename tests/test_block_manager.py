@@ -44,7 +44,7 @@ def test_sequence_rejects_bad_block_size(bad):
 
 def test_sequence_rejects_empty_prompt():
     with pytest.raises(ValueError, match="empty"):
-        Sequence([])
+        Sequence([], block_size=4)
 
 
 # ------------------------------------------------------------------ append boundary

@@ -341,14 +341,14 @@ def test_prepare_builds_slots_block_tables_and_logit_rows():
 def test_sampler_greedy_temperature_and_top_p():
     sampler = Sampler(seed=0)
     logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, -1.0]])
-    greedy = Sequence([1], SamplingParams(temperature=0.0))
+    greedy = Sequence([1], SamplingParams(temperature=0.0), block_size=16)
     assert sampler(logits, [greedy]) == [1]                       # ties go to the lowest id
     n = 4000
-    hot = Sequence([1], SamplingParams(temperature=0.7))
+    hot = Sequence([1], SamplingParams(temperature=0.7), block_size=16)
     counts = torch.bincount(torch.tensor(sampler(logits.repeat(n, 1), [hot] * n)), minlength=5).float()
     probs = torch.softmax(logits[0] / 0.7, dim=0)
     assert torch.all((counts / n - probs).abs() < 4 * torch.sqrt(probs * (1 - probs) / n) + 1e-3)
-    nucleus = Sequence([1], SamplingParams(temperature=1.0, top_p=0.6))
+    nucleus = Sequence([1], SamplingParams(temperature=1.0, top_p=0.6), block_size=16)
     tokens = set(sampler(logits.repeat(n, 1), [nucleus] * n))
     assert tokens == {1, 3}       # 1 and 3 hold 2 * 0.387 >= 0.6 of the mass; the rest never drawn
     kept = top_p_filter(torch.tensor([[0.5, 0.3, 0.2]]), torch.tensor([0.5]))
@@ -357,11 +357,11 @@ def test_sampler_greedy_temperature_and_top_p():
 
 def test_sampler_is_seeded_and_per_request_seeds_ignore_the_batch():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
-    seqs = [Sequence([1], SamplingParams(temperature=1.0)) for _ in range(6)]
+    seqs = [Sequence([1], SamplingParams(temperature=1.0), block_size=16) for _ in range(6)]
     assert Sampler(seed=7)(logits, seqs) == Sampler(seed=7)(logits, seqs)
-    own = Sequence([1], SamplingParams(temperature=1.0, seed=42))
+    own = Sequence([1], SamplingParams(temperature=1.0, seed=42), block_size=16)
     alone = Sampler(seed=1)(logits[:1], [own])
-    own2 = Sequence([1], SamplingParams(temperature=1.0, seed=42))
+    own2 = Sequence([1], SamplingParams(temperature=1.0, seed=42), block_size=16)
     in_batch = Sampler(seed=2)(logits[[1, 2, 0]], seqs[:2] + [own2])
     assert in_batch[2] == alone[0]
 

@@ -207,7 +207,7 @@ def test_every_private_member_the_labs_name_is_listed_in_hooks_and_exists():
     for owner in ("course_pkg.block_manager:BlockManager", "course_pkg.scheduler:Scheduler",
                   "course_pkg.block:Block", "course_pkg.sequence:Sequence"):
         package_privates |= {m for m in dir(resolve(owner)) if m.startswith("_") and not m.startswith("__")}
-    for instance in (BlockManager(1, 1), Sequence([1])):      # attributes set in __init__ too
+    for instance in (BlockManager(1, 1), Sequence([1], block_size=1)):      # attributes set in __init__ too
         package_privates |= {m for m in vars(instance) if m.startswith("_") and not m.startswith("__")}
     package_privates |= {m for m in vars(importlib.import_module("course_pkg.kernels.triton_kernels"))
                          if m.startswith("_") and not m.startswith("__")}

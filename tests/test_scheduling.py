@@ -179,7 +179,8 @@ def test_bad_policy_settings_raise(kwargs, message):
 
 def test_model_runner_swap_round_trip_restores_the_blocks():
     model, config, _ = load_model(MODEL, dtype=torch.float32, device="cpu")
-    runner = ModelRunner(model, config, block_size=4, num_kvcache_blocks=6, num_cpu_blocks=3)
+    runner = ModelRunner(model, config, block_size=4, attention_backend="torch", seed=0, num_kvcache_blocks=6,
+                         num_cpu_blocks=3)
     torch.manual_seed(0)
     runner.kv_cache.normal_()
     saved = runner.kv_cache[:, :, [4, 1]].clone()

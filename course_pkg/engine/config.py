@@ -17,10 +17,12 @@ import torch
 
 from course_pkg.block_manager import FREE_QUEUES
 from course_pkg.engine.spec_decode import SpeculativeConfig
-from course_pkg.policies import ADMISSION_POLICIES, PREEMPTION_POLICIES
+from course_pkg.models.attention import BACKENDS
+from course_pkg.policies import ADMISSION_POLICIES, check_preemption_mode
+from course_pkg.scheduler import check_same_step_prefix_hits
 from course_pkg.validation import INT64_MAX, check_bool, check_choice, check_int, check_positive_int, check_real
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "reference")
+ATTENTION_BACKENDS = ("auto", *BACKENDS)   # "auto": Triton on CUDA, torch elsewhere
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -94,9 +96,6 @@ class EngineConfig:
         check_choice("free_queue", self.free_queue, FREE_QUEUES)
         check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         check_choice("scheduling", self.scheduling, tuple(ADMISSION_POLICIES))
-        check_choice("preemption_mode", self.preemption_mode, tuple(PREEMPTION_POLICIES))
-        if self.num_cpu_blocks is not None:
-            check_int("num_cpu_blocks", self.num_cpu_blocks, minimum=1)
         check_bool("same_step_prefix_hits", self.same_step_prefix_hits)
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
@@ -104,17 +103,11 @@ class EngineConfig:
         if self.speculative_config is not None and self.tensor_parallel_size > 1:
             raise ValueError("speculative_config is not supported with tensor_parallel_size > 1 (the ranks would "
                              "have to verify drafts together); use one of them")
-        if self.preemption_mode == "swap" and self.num_cpu_blocks is None:
-            raise ValueError("preemption_mode='swap' needs a CPU block pool to swap to: pass num_cpu_blocks >= 1, "
-                             "or use preemption_mode='recompute'")
-        if self.preemption_mode == "recompute" and self.num_cpu_blocks is not None:
-            raise ValueError(f"num_cpu_blocks={self.num_cpu_blocks} sizes the CPU pool of preemption_mode='swap'; "
-                             "with preemption_mode='recompute' nothing is swapped (leave it None)")
+        check_preemption_mode(self.preemption_mode, self.num_cpu_blocks)   # the policies' own rule
         if self.preemption_mode == "swap" and self.tensor_parallel_size > 1:
             raise ValueError("preemption_mode='swap' is not supported with tensor_parallel_size > 1 "
                              "(every rank would have to swap its shard of the cache); use 'recompute'")
-        if self.same_step_prefix_hits and not self.enable_prefix_caching:
-            raise ValueError("same_step_prefix_hits=True needs prefix caching, but enable_prefix_caching=False")
+        check_same_step_prefix_hits(self.same_step_prefix_hits, self.enable_prefix_caching)   # the Scheduler's
         if self.num_kvcache_blocks is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("give the KV cache's size once: num_kvcache_blocks or kv_cache_memory_bytes, not both")
 
@@ -132,10 +125,14 @@ class EngineConfig:
             return self.dtype
         return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
 
-    def check_against_model(self, model_config) -> int:
+    def check_against_model(self, model_config) -> tuple[int, SpeculativeConfig | None]:
         """Check the rules that need the checkpoint's config; return the ``max_model_len`` to use
-        (the model's context length when none was given)."""
+        (the model's context length when none was given) and the speculative config with its
+        model-dependent defaults filled in."""
         limit = model_config.max_position_embeddings
-        if self.max_model_len is None:
-            return limit
-        return check_int("max_model_len", self.max_model_len, minimum=2, maximum=limit)
+        max_model_len = limit if self.max_model_len is None else check_int(
+            "max_model_len", self.max_model_len, minimum=2, maximum=limit)
+        spec = self.speculative_config
+        if spec is not None:
+            spec = spec.check_against_model(self.model, model_config)
+        return max_model_len, spec

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import TypedDict
 
-from course_pkg.validation import check_cache_salt
 
 
 class _Salted(TypedDict, total=False):
@@ -34,7 +33,7 @@ def parse_prompt(prompt) -> tuple[object, str | None]:
 
     Strings and lists pass through unchanged (their checks are ``LLMEngine.make_sequence``'s).
     A dict must hold exactly one of ``prompt`` / ``prompt_token_ids`` and nothing else but
-    ``cache_salt``, which must be a non-empty string.
+    ``cache_salt`` (checked where every salt is, by ``Sequence``: a non-empty string).
     """
     if not isinstance(prompt, dict):
         return prompt, None
@@ -54,4 +53,4 @@ def parse_prompt(prompt) -> tuple[object, str | None]:
         content = prompt["prompt_token_ids"]
         if isinstance(content, (str, bytes, bytearray)) or not isinstance(content, (list, tuple)):
             raise TypeError(f"'prompt_token_ids' is a list of ints, got {type(content).__name__}")
-    return content, check_cache_salt(prompt.get("cache_salt"))
+    return content, prompt.get("cache_salt")

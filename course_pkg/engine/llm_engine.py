@@ -40,6 +40,7 @@ from course_pkg.engine.inputs import PromptType, parse_prompt
 from course_pkg.engine.model_runner import ModelRunner
 from course_pkg.engine.outputs import (CompletionOutput, EngineCoreOutput, EngineMetrics, ModelRunnerOutput,
                                        RequestMetrics, RequestOutput, StepInfo)
+from course_pkg.block_manager import BlockManager
 from course_pkg.sampling_params import SamplingParams
 from course_pkg.scheduler import Scheduler, SchedulerOutput
 from course_pkg.sequence import Sequence
@@ -74,34 +75,35 @@ class LLMEngine:
             path = default_model_path() if model is None else Path(model)
             self.config, self.tokenizer = load_config(path), load_tokenizer(path)
             check_tensor_parallel_size(k, self.config, device.type)
-        self.max_model_len = max_model_len = cfg.check_against_model(self.config)
-        self.speculative_config = spec = (None if cfg.speculative_config is None else
-                                          cfg.speculative_config.check_against_model(model, self.config))
+        self.max_model_len, spec = cfg.check_against_model(self.config)
+        self.speculative_config = spec
+        proposer = make_proposer(spec) if spec is not None else None
         runner_kwargs = dict(
-            block_size=cfg.block_size, num_kvcache_blocks=cfg.num_kvcache_blocks,
-            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes, gpu_memory_utilization=cfg.gpu_memory_utilization,
-            attention_backend=cfg.attention_backend, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=max_model_len, seed=cfg.seed)
+            block_size=cfg.block_size, attention_backend=cfg.attention_backend, seed=cfg.seed,
+            num_kvcache_blocks=cfg.num_kvcache_blocks, kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+            gpu_memory_utilization=cfg.gpu_memory_utilization, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=self.max_model_len)
         if k == 1:
             self.model_runner = ModelRunner(self.model, self.config, **runner_kwargs,
-                                            num_cpu_blocks=cfg.num_cpu_blocks or 0)
+                                            num_cpu_blocks=cfg.num_cpu_blocks or 0, proposer=proposer)
         else:
             from course_pkg.engine.tensor_parallel_runner import TensorParallelModelRunner
             self.model_runner = TensorParallelModelRunner.launch(
                 path, self.config, k, device=device, dtype=dtype, **runner_kwargs)
             self.model = self.model_runner.model
-        eos = stop_token_ids(model, self.config, self.tokenizer)
+        num_blocks = self.model_runner.num_kvcache_blocks
         self.scheduler = Scheduler(
-            self.model_runner.num_kvcache_blocks, cfg.block_size, max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=cfg.enable_prefix_caching, eos_token_id=eos, free_queue=cfg.free_queue,
+            num_blocks, cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=self.max_model_len,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            eos_token_id=stop_token_ids(model, self.config, self.tokenizer),
+            block_manager=BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                       free_queue=cfg.free_queue),
             scheduling=cfg.scheduling, preemption_mode=cfg.preemption_mode, num_cpu_blocks=cfg.num_cpu_blocks,
             same_step_prefix_hits=cfg.same_step_prefix_hits,
-            num_lookahead_tokens=spec.num_speculative_tokens if spec is not None else 0)
-        if spec is not None:
-            self.model_runner.proposer = make_proposer(spec)
-            if spec.method == "ngram":   # torch-free: the scheduler proposes before it takes slots
-                self.scheduler.proposer = self.model_runner.proposer
+            num_lookahead_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            # torch-free (n-gram): the scheduler proposes before it takes slots
+            proposer=proposer if spec is not None and spec.method == "ngram" else None)
         self.block_size = cfg.block_size
         self.num_steps = 0
         self.last_step: StepInfo | None = None

@@ -29,8 +29,9 @@ import torch
 from course_pkg.engine.outputs import ModelRunnerOutput
 from course_pkg.engine.sampler import Sampler
 from course_pkg.models import AttentionMetadata
+from course_pkg.models.attention import BACKENDS
 from course_pkg.sequence import Sequence
-from course_pkg.validation import check_positive_int
+from course_pkg.validation import check_choice, check_positive_int
 
 #: KV cache budget on a CPU when neither a block count nor a byte budget is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 2**20
@@ -40,19 +41,23 @@ def resolve_backend(attention_backend: str, device: torch.device) -> str:
     """``auto`` means the Triton kernels on CUDA and the pure-torch path elsewhere."""
     if attention_backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
-    if attention_backend not in ("torch", "triton", "reference"):
-        raise ValueError(f"attention_backend must be 'auto', 'torch', 'triton' or 'reference', "
-                         f"got {attention_backend!r}")
-    return attention_backend
+    return check_choice("attention_backend", attention_backend, BACKENDS)
 
 
 class ModelRunner:
     """Runs the model over the paged KV cache and samples; knows nothing of scheduling."""
 
-    def __init__(self, model, config, *, block_size: int = 16, num_kvcache_blocks: int | None = None,
-                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
-                 attention_backend: str = "auto", max_num_batched_tokens: int = 8192,
-                 max_model_len: int | None = None, seed: int = 0, num_cpu_blocks: int = 0):
+    def __init__(self, model, config, *, block_size: int, attention_backend: str, seed: int,
+                 num_kvcache_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
+                 gpu_memory_utilization: float | None = None, max_num_batched_tokens: int | None = None,
+                 max_model_len: int | None = None, num_cpu_blocks: int = 0, proposer=None):
+        """The engine passes every setting from its ``EngineConfig`` (no default is decided here).
+
+        The pool holds ``num_kvcache_blocks`` blocks, or what ``kv_cache_memory_bytes`` allows,
+        or on CUDA what ``gpu_memory_utilization`` of the GPU leaves after a warm-up pass over
+        ``max_num_batched_tokens`` tokens (both required then), or on a CPU a fixed budget.
+        ``proposer``: the speculative proposer of chapter 14 (None: no speculation).
+        """
         param = next(model.parameters())
         self.model = model
         self.config = config
@@ -75,8 +80,8 @@ class ModelRunner:
         # Per layer, (k_cache, v_cache): views into the one tensor, no copies.
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(self.num_layers)]
         self.cpu_kv_cache = self._allocate_cpu_cache(num_cpu_blocks)
-        # Speculative decoding (chapter 14): a NgramProposer or an EarlyExitProposer, set by the engine.
-        self.proposer = None
+        # Speculative decoding (chapter 14): a NgramProposer or an EarlyExitProposer, or None.
+        self.proposer = proposer
         # The open step's part of the transaction (begin_step / abort_step): where the sampler's
         # generators stood, and the K/V slots written so far, {block id: first offset written}.
         self._sampler_state = None
@@ -149,6 +154,9 @@ class ModelRunner:
         A warm-up forward pass over a full token budget measures the activations' peak; the
         cache gets ``total * utilization`` minus what is in use now and minus that peak.
         """
+        if utilization is None or max_num_batched_tokens is None:
+            raise ValueError("sizing the KV cache from GPU memory needs gpu_memory_utilization and "
+                             "max_num_batched_tokens (or pass num_kvcache_blocks or kv_cache_memory_bytes)")
         if not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
         torch.cuda.empty_cache()

@@ -54,7 +54,7 @@ def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 class Sampler:
     """Greedy, temperature and top-p sampling for a batch of sequences, seeded."""
 
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
+    def __init__(self, seed: int, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         # A request with its own seed keeps one generator per completion for its whole life

@@ -39,7 +39,7 @@ def measure_swap_vs_recompute(model_path, lengths: list[int], *, device="cpu", d
     num_blocks = max(lengths) // block_size + 1
     cpu = torch.device(device).type == "cpu"
     runner = ModelRunner(model, config, block_size=block_size, num_kvcache_blocks=num_blocks,
-                         attention_backend="torch" if cpu else "auto", num_cpu_blocks=num_blocks,
+                         attention_backend="torch" if cpu else "auto", seed=0, num_cpu_blocks=num_blocks,
                          max_num_batched_tokens=max(lengths))
     sync = (lambda: None) if cpu else torch.cuda.synchronize
     rows = []

@@ -34,7 +34,7 @@ def _model_runner_block_bytes(*, num_layers: int, num_kv_heads: int, head_dim: i
     config = SimpleNamespace(num_hidden_layers=num_layers, num_key_value_heads=num_kv_heads, head_dim=head_dim,
                              hidden_size=num_kv_heads * head_dim, num_attention_heads=num_kv_heads, vocab_size=8)
     runner = ModelRunner(torch.nn.Linear(1, 1), config, block_size=block_size, num_kvcache_blocks=3,
-                         attention_backend="torch")
+                         attention_backend="torch", seed=0)
     block0 = runner.kv_cache[:, :, 0]                  # [K/V, layer, block_size, kv heads, head_dim]
     return block0.numel() * block0.element_size()
 
