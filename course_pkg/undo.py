@@ -51,6 +51,10 @@ from contextlib import contextmanager
 from typing import Any
 
 _MISSING = object()
+# The plain setters, looked up once: ``object.__setattr__(obj, "__class__", c)`` spells the
+# same thing but costs four times as much, and a step swaps classes twice per changed object.
+_set_class = object.__dict__["__class__"].__set__
+_plain_setattr = object.__setattr__
 _SCALARS = frozenset({int, float, bool, str, bytes, type(None), tuple, frozenset, complex})
 _open = threading.local()   # .journals: the journals recording on this thread (weakly held)
 
@@ -125,7 +129,7 @@ class Journal:
         self._log.append((_restore_object, obj, obj.__dict__.copy() if cls._has_dict else None,
                           cls._get_slots(obj) if cls._slot_names else ()))
         self._saved.append(obj)
-        object.__setattr__(obj, "__class__", cls._unwatched)
+        _set_class(obj, cls._unwatched)
 
     def _unsave(self, refresh: bool) -> None:
         """Watch the saved objects again. After a commit (``refresh``), a container or object
@@ -138,8 +142,8 @@ class Journal:
                 for name in cls._references:
                     value = getattr(obj, name, None)
                     if type(value) in _CONTAINERS:
-                        object.__setattr__(obj, name, _adopt(self, value))
-            object.__setattr__(obj, "__class__", cls._watched)
+                        _plain_setattr(obj, name, _adopt(self, value))
+            _set_class(obj, cls._watched)
             saved.pop()
 
     # ------------------------------------------------------------ enrolment
@@ -184,7 +188,7 @@ def _adopt(journal: Journal, obj: Any) -> Any:
     sub = journal.journaled_class(cls)
     if sub is None:
         return obj
-    object.__setattr__(obj, "__class__", sub)
+    _set_class(obj, sub)
     if sub._has_dict:   # a dict of its own: the one it had is laid out for its old class (slow to read)
         object.__setattr__(obj, "__dict__", dict(obj.__dict__))
     for name in list(getattr(obj, "__dict__", ())) + list(sub._slot_names):
@@ -216,7 +220,7 @@ def _first_change(self, name: str, value: Any) -> None:
         if adopted is not value or getattr(type(adopted), "_journal", None) is journal:
             type(self)._references.add(name)
         value = adopted
-    object.__setattr__(self, name, value)
+    _plain_setattr(self, name, value)
 
 
 def _slot_getter(names: tuple[str, ...]):
