@@ -155,8 +155,9 @@ class StepPlan:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     registered_blocks: list[int] = field(default_factory=list)
-    lookahead: dict[int, int] = field(default_factory=dict)   # id(seq) -> its lookahead slots
-    spec_tokens: dict[int, list[int]] = field(default_factory=dict)   # id(seq) -> drafts proposed here
+    # Speculative decoding, by seq_id: the lookahead slots granted, the drafts proposed here.
+    num_lookahead_tokens: dict[int, int] = field(default_factory=dict)
+    scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
 
 
 def check_same_step_prefix_hits(same_step_prefix_hits: bool, enable_prefix_caching: bool) -> None:
@@ -377,9 +378,10 @@ class Scheduler:
                 is_prefill=plan.num_prompt_seqs > 0, preempted=tuple(plan.preempted),
                 blocks_to_swap_out=tuple(plan.blocks_to_swap_out), blocks_to_copy=tuple(plan.blocks_to_copy),
                 blocks_to_swap_in=tuple(plan.blocks_to_swap_in), registered_blocks=tuple(plan.registered_blocks),
-                num_lookahead_tokens=tuple(plan.lookahead.get(id(s), 0) for s in plan.seqs)
+                num_lookahead_tokens=tuple(plan.num_lookahead_tokens.get(s.seq_id, 0) for s in plan.seqs)
                 if self.num_lookahead_tokens else (),
-                scheduled_spec_decode_tokens=tuple(tuple(plan.spec_tokens.get(id(s), ())) for s in plan.seqs)
+                scheduled_spec_decode_tokens=tuple(tuple(plan.scheduled_spec_decode_tokens.get(s.seq_id, ()))
+                                                   for s in plan.seqs)
                 if self.proposer is not None else ())
         return out
 
@@ -483,9 +485,9 @@ class Scheduler:
                     continue
             granted = bm.allocate_lookahead_slots(seq, wanted)
             if granted:
-                plan.lookahead[id(seq)] = granted
+                plan.num_lookahead_tokens[seq.seq_id] = granted
                 if self.proposer is not None:
-                    plan.spec_tokens[id(seq)] = drafts[:granted]
+                    plan.scheduled_spec_decode_tokens[seq.seq_id] = drafts[:granted]
                 seq.num_scheduled_tokens += granted
                 total += granted
         return total

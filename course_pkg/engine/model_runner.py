@@ -252,36 +252,36 @@ class ModelRunner:
         logits = logits.float() if logits is not None else None
         rows, row = {}, 0
         for seq in sample_seqs:   # each sampled sequence's logits rows: 1, or 1 + its drafts
-            n = 1 + len(drafts.get(id(seq), ()))
-            rows[id(seq)] = (row, row + n)
+            n = 1 + len(drafts.get(seq.seq_id, ()))
+            rows[seq.seq_id] = (row, row + n)
             row += n
-        plain = [s for s in sample_seqs if not drafts.get(id(s))]
-        counts = {id(s): n for s, n in zip(seqs, out.num_samples)}
+        plain = [s for s in sample_seqs if not drafts.get(s.seq_id)]
+        counts = {s.seq_id: n for s, n in zip(seqs, out.num_samples)}
         by_seq = {}
         if plain:
-            plain_rows = torch.tensor([rows[id(s)][0] for s in plain], device=logits.device)
-            tokens, logprobs = self.sampler.sample(logits[plain_rows], plain, [counts[id(s)] for s in plain])
-            by_seq.update((id(s), (t, lp)) for s, t, lp in zip(plain, tokens, logprobs))
+            plain_rows = torch.tensor([rows[s.seq_id][0] for s in plain], device=logits.device)
+            tokens, logprobs = self.sampler.sample(logits[plain_rows], plain, [counts[s.seq_id] for s in plain])
+            by_seq.update((s.seq_id, (t, lp)) for s, t, lp in zip(plain, tokens, logprobs))
         for seq in sample_seqs:
-            d = drafts.get(id(seq))
+            d = drafts.get(seq.seq_id)
             if not d:
                 continue
-            a, b = rows[id(seq)]
+            a, b = rows[seq.seq_id]
             seq_logits = logits[a:b]
             if seq.temperature < GREEDY_BELOW:
                 tokens = greedy_accept(d, seq_logits.argmax(dim=-1).tolist())
             else:
                 target = self.sampler.probs(seq_logits, seq)
-                tokens = rejection_sample(d, draft_probs.get(id(seq)), target,
+                tokens = rejection_sample(d, draft_probs.get(seq.seq_id), target,
                                           self.sampler.generator_for(seq))
             lp = torch.log_softmax(seq_logits[:len(tokens)], dim=-1)
-            by_seq[id(seq)] = (tokens, lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist())
-        results = [by_seq.get(id(seq), ([], [])) for seq in seqs]
+            by_seq[seq.seq_id] = (tokens, lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist())
+        results = [by_seq.get(seq.seq_id, ([], [])) for seq in seqs]
         return ModelRunnerOutput(sampled_token_ids=[t for t, _ in results], logprobs=[lp for _, lp in results],
-                                 draft_token_ids=[list(drafts.get(id(seq), ())) for seq in seqs])
+                                 draft_token_ids=[list(drafts.get(seq.seq_id, ())) for seq in seqs])
 
     def propose(self, seqs: list[Sequence], num_lookahead_tokens: list[int], scheduled_spec_decode_tokens=()):
-        """The drafts of this step: ``({id(seq): drafts}, {id(seq): q rows})`` for the sequences
+        """The drafts of this step: ``({seq.seq_id: drafts}, {seq.seq_id: q rows})`` for the sequences
         with lookahead slots, at most that many drafts each (``q``: the draft distributions of an
         early-exit draft that sampled; absent for greedy and n-gram drafts). Drafts the
         scheduler proposed already (``scheduled_spec_decode_tokens``, n-gram) are those."""
@@ -289,9 +289,9 @@ class ModelRunner:
 
         spec = [(s, n) for s, n in zip(seqs, num_lookahead_tokens) if n]
         if scheduled_spec_decode_tokens:
-            return {id(s): list(d) for s, d in zip(seqs, scheduled_spec_decode_tokens) if d}, {}
+            return {s.seq_id: list(d) for s, d in zip(seqs, scheduled_spec_decode_tokens) if d}, {}
         if isinstance(self.proposer, NgramProposer):
-            return {id(s): self.proposer.propose(s.token_ids, n) for s, n in spec}, {}
+            return {s.seq_id: self.proposer.propose(s.token_ids, n) for s, n in spec}, {}
         if self.proposer is None:
             raise RuntimeError("the step has lookahead slots but this model runner has no proposer")
         return self._propose_early_exit(spec)
@@ -304,12 +304,12 @@ class ModelRunner:
 
         num_layers = self.proposer.num_layers
         model = self.model.model
-        drafts = {id(s): [] for s, _ in spec}
-        probs = {id(s): [] for s, _ in spec if s.temperature >= GREEDY_BELOW}
+        drafts = {s.seq_id: [] for s, _ in spec}
+        probs = {s.seq_id: [] for s, _ in spec if s.temperature >= GREEDY_BELOW}
         bs = self.block_size
         for i in range(max(n for _, n in spec)):
             active = [s for s, n in spec if n > i]
-            ids = [(s.token_ids[-1] if i == 0 else drafts[id(s)][-1]) for s in active]
+            ids = [(s.token_ids[-1] if i == 0 else drafts[s.seq_id][-1]) for s in active]
             positions = [s.num_tokens - 1 + i for s in active]
             slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(active, positions)]
             self._note_written((slot // bs, slot % bs) for slot in slots)
@@ -330,12 +330,12 @@ class ModelRunner:
             logits = self.model.compute_logits(model.norm(x)).float()
             for j, s in enumerate(active):
                 if s.temperature < GREEDY_BELOW:
-                    drafts[id(s)].append(int(logits[j].argmax()))
+                    drafts[s.seq_id].append(int(logits[j].argmax()))
                     continue
                 q = self.sampler.probs(logits[j:j + 1], s)[0]
                 noise = torch.empty_like(q).exponential_(generator=self.sampler.generator_for(s))
-                drafts[id(s)].append(int((q / noise.clamp_min_(1e-30)).argmax()))
-                probs[id(s)].append(q)
+                drafts[s.seq_id].append(int((q / noise.clamp_min_(1e-30)).argmax()))
+                probs[s.seq_id].append(q)
         return drafts, {key: torch.stack(rows) for key, rows in probs.items() if rows}
 
     def prepare(self, seqs: list[Sequence], draft_token_ids: dict[int, list[int]] | None = None):
@@ -358,7 +358,7 @@ class ModelRunner:
         sample_seqs: list[Sequence] = []
         for seq in seqs:
             start = seq.num_cached_tokens
-            drafts = draft_token_ids.get(id(seq)) if draft_token_ids else None
+            drafts = draft_token_ids.get(seq.seq_id) if draft_token_ids else None
             if drafts is not None:   # speculative: the last token, then the drafts
                 token_ids, end = seq.token_ids + drafts, seq.num_tokens + len(drafts)
                 if start != seq.num_tokens - 1:
@@ -430,11 +430,11 @@ class ModelRunner:
         if num_samples is None:
             num_samples = [seq.num_samples for seq in seqs]
         logits, sample_seqs = self._forward(seqs)
-        counts = {id(seq): n for seq, n in zip(seqs, num_samples)}
-        tokens, logprobs = (self.sampler.sample(logits, sample_seqs, [counts[id(s)] for s in sample_seqs])
+        counts = {seq.seq_id: n for seq, n in zip(seqs, num_samples)}
+        tokens, logprobs = (self.sampler.sample(logits, sample_seqs, [counts[s.seq_id] for s in sample_seqs])
                             if sample_seqs else ([], []))
-        by_seq = {id(seq): (t, lp) for seq, t, lp in zip(sample_seqs, tokens, logprobs)}
-        results = [by_seq.get(id(seq), ([], [])) for seq in seqs]
+        by_seq = {seq.seq_id: (t, lp) for seq, t, lp in zip(sample_seqs, tokens, logprobs)}
+        results = [by_seq.get(seq.seq_id, ([], [])) for seq in seqs]
         return [t for t, _ in results], [lp for _, lp in results]
 
     @torch.inference_mode()
