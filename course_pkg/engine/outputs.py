@@ -7,7 +7,7 @@ of one step, for notebooks and tests.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,9 @@ class EngineMetrics:
         return 1 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """Every field by name (its values are numbers and tuples: no copy needed; the engine
+        takes this snapshot every step, where ``dataclasses.asdict``'s deep copy costs ~40 us)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True)
