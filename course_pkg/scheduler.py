@@ -239,7 +239,6 @@ class Scheduler:
         self.same_step_prefix_hits = same_step_prefix_hits
         self.cpu_pool: CpuBlockPool | None = self.preemption.cpu_pool
         self.num_steps = 0
-        self._overwritten: dict[int, int] | None = None   # K/V an undone step overwrote, not yet dealt with
         # The step's transaction: from here on, every change to this scheduler and what it holds
         # (the block manager, its blocks, the CPU pool, the sequences) is journaled by itself.
         self.journal = Journal(follow=STEP_STATE)
@@ -275,18 +274,23 @@ class Scheduler:
         """Queue a new request, or raise if it can never run (and queue nothing)."""
         self.add_all([seq])
 
-    def add_all(self, seqs: list[Sequence]) -> None:
-        """Queue several new requests in order: all of them, or -- if one is refused -- none."""
+    def add_all(self, seqs: list[Sequence], *, then=None) -> None:
+        """Queue several new requests in order: all of them, or -- if one is refused -- none.
+
+        ``then()``, if given, runs inside the same transaction once they are queued: the caller's
+        own record of them (the engine's request table) stands or falls with the queueing."""
         seqs = list(seqs)
         for seq in seqs:
             self.check(seq)
         if len({id(s) for s in seqs}) != len(seqs):
             raise ValueError("the same sequence appears twice among the requests to add")
-        self._check_no_open_step("add a request")
-        for seq in seqs:
-            seq.submitted = True
-            self.waiting.append(seq)
-            self.stats.prompt_tokens += seq.num_prompt_tokens
+        with self._transaction(opens="add a request", commits=True):
+            for seq in seqs:
+                self.waiting.append(seq)   # (first: that enrols it, so the lines below are journaled)
+                seq.submitted = True
+                self.stats.prompt_tokens += seq.num_prompt_tokens
+            if then is not None:
+                then()
 
     def check(self, seq: Sequence) -> None:
         """Raise ``ValueError`` if ``seq`` cannot be added; change nothing either way.
@@ -332,8 +336,9 @@ class Scheduler:
         """Is ``seq`` waiting or running here?"""
         return any(s is seq for queue in (self.waiting, self.running) for s in queue)
 
-    def abort(self, seq: Sequence) -> None:
-        """Finish ``seq`` as FINISHED_ABORTED, releasing its blocks (a transaction of its own).
+    def abort(self, seq: Sequence, *, then=None) -> None:
+        """Finish ``seq`` as FINISHED_ABORTED, releasing its blocks (a transaction of its own;
+        ``then()``, if given, runs inside it, as in ``add_all``).
 
         Raises ``ValueError`` for a sequence this scheduler does not hold, and
         ``RuntimeError`` while a step is open.
@@ -348,6 +353,8 @@ class Scheduler:
             seq.num_scheduled_tokens = 0
             (self.running if seq in self.running else self.waiting).remove(seq)
             self._set_status(seq, SequenceStatus.FINISHED_ABORTED)
+            if then is not None:
+                then()
 
     # ---------------------------------------------------------------- one step
 
@@ -571,7 +578,8 @@ class Scheduler:
 
     # ---------------------------------------------------------------- the step's results
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output) -> list[Sequence]:
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output, *,
+                           commit: bool = True) -> list[Sequence]:
         """Record a step's results and commit it; return the sequences that finished in it.
 
         ``model_runner_output`` is a ``ModelRunnerOutput`` (or just its ``sampled_token_ids``):
@@ -580,14 +588,24 @@ class Scheduler:
         ``n > 1`` samples forks into ``n`` completions here, sharing all its blocks
         (``BlockManager.fork``). Finished sequences release their blocks -- they stay cached,
         so a chat's next turn may reuse them. If anything raises, the whole step is undone.
+
+        ``commit=False`` leaves the step open after recording it, for a caller that records
+        its own part of the step in the same transaction (the engine: its requests' metrics)
+        and then calls ``commit_step``.
         """
         out = scheduler_output
         self._check_step_is_open(out)
-        with self._transaction(commits=True):
+        with self._transaction(commits=commit):
             token_ids, logprobs = _results(model_runner_output)
             self._check_results(out, token_ids, logprobs)
             drafts = self._check_drafts(out, token_ids, getattr(model_runner_output, "draft_token_ids", None))
             return self._record(out, token_ids, logprobs, drafts)
+
+    def commit_step(self) -> None:
+        """Commit the step that ``update_from_output(..., commit=False)`` recorded."""
+        if not self.journal.recording:
+            raise RuntimeError("no step is open")
+        self.journal.commit()
 
     def _record(self, out: SchedulerOutput, token_ids, logprobs, drafts=None) -> list[Sequence]:
         bm = self.block_manager
@@ -736,17 +754,18 @@ class Scheduler:
         nothing when no step is open. (``scheduler_output`` names the step for the reader; a
         scheduler has one open step at most.)
 
-        ``overwritten``: the K/V slots the step wrote before it failed (``ModelRunner.abort_step``),
+        ``overwritten``: the K/V slots the step wrote before it failed (``ModelRunner.written_slots``),
         ``{block id: first offset written}``. A journal cannot give memory back: those blocks
         lose their prefix-cache entries, and a sequence whose computed tokens were overwritten
         -- a victim the step had preempted and whose blocks it handed on -- is preempted for
-        real, by recompute.
+        real, by recompute. That clean-up is a transaction of its own: if it is interrupted,
+        it is undone, and calling ``unschedule`` again with the same slots finishes the job
+        (the slots of blocks already dealt with harm nobody any more).
         """
         if self.journal.recording:
             self.journal.rollback()
         if overwritten:
-            self._overwritten = dict(overwritten)
-        self._forget_overwritten()
+            self._forget_overwritten(overwritten)
 
     # ---------------------------------------------------------------- the transaction
 
@@ -754,41 +773,38 @@ class Scheduler:
     def _transaction(self, *, opens: str | None = None, commits: bool = False):
         """One part of a step's transaction: ``opens`` (what is about to happen, for the error
         when a step is open already) begins it, ``commits`` ends it; an exception in the part
-        undoes the whole step and is re-raised."""
+        -- on any line, the journal's ``begin`` and ``commit`` included -- undoes the whole step
+        unless it came after the commit point, and is re-raised."""
         if opens is not None:
             self._check_no_open_step(opens)
-            self.journal.begin()
         try:
+            if opens is not None:
+                self.journal.begin()
             yield
+            if commits:
+                self.journal.commit()
         except BaseException:
-            self.journal.rollback()   # if interrupted, the journal stays open: unschedule() carries on
-            raise
-        if commits:
-            self.journal.commit()
+            self.journal.rollback()   # (nothing to undo past the commit point; if interrupted, the
+            raise                     # journal stays open and unschedule() carries on)
 
-    def _forget_overwritten(self) -> None:
+    def _forget_overwritten(self, written: dict[int, int]) -> None:
         """Deal with the K/V an undone step overwrote (see ``unschedule``): the one change a
-        rollback cannot avoid. Each part can run again, so an interrupted call is finished by
-        the next ``unschedule`` or ``schedule``."""
-        written = self._overwritten
-        if written is None:
-            return
-        damaged = {id(s) for s in self.block_manager.forget_overwritten(written)}
-        running = [s for s in reversed(self.running) if id(s) in damaged]   # newest first
-        chunked = [s for s in self.waiting if id(s) in damaged]   # a prompt part-way through its chunks
-        for seq in running + chunked:
-            self.block_manager.deallocate(seq)
-            check_transition(seq, SequenceStatus.PREEMPTED)
-            seq.status = SequenceStatus.PREEMPTED
-            seq.num_preemptions += 1
-            self.stats.num_preemptions += 1
-            if seq in running:
-                self.running.remove(seq)
-                self.waiting.appendleft(seq)
-        self._overwritten = None
+        rollback cannot avoid, made as a transaction of its own."""
+        with self._transaction(opens="deal with overwritten K/V", commits=True):
+            damaged = {id(s) for s in self.block_manager.forget_overwritten(written)}
+            running = [s for s in reversed(self.running) if id(s) in damaged]   # newest first
+            chunked = [s for s in self.waiting if id(s) in damaged]   # a prompt part-way through its chunks
+            for seq in running + chunked:
+                self.block_manager.deallocate(seq)
+                check_transition(seq, SequenceStatus.PREEMPTED)
+                seq.status = SequenceStatus.PREEMPTED
+                seq.num_preemptions += 1
+                self.stats.num_preemptions += 1
+                if seq in running:
+                    self.running.remove(seq)
+                    self.waiting.appendleft(seq)
 
     def _check_no_open_step(self, action: str) -> None:
-        self._forget_overwritten()   # (the end of an interrupted rollback's clean-up, if any)
         if self.journal.recording:
             raise RuntimeError(f"cannot {action}: a step is open (schedule() was called); record it with "
                                f"update_from_output() or undo it with unschedule() first")

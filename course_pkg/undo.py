@@ -43,6 +43,7 @@ is recomputed (``BlockManager.forget_overwritten``).
 from __future__ import annotations
 
 import copyreg
+import signal
 import threading
 import weakref
 from array import array
@@ -93,30 +94,42 @@ class Journal:
         """Start recording every change of the enrolled objects."""
         if self.recording:
             raise RuntimeError("this journal's transaction is open already")
-        self._unsave(refresh=True)   # (what an interrupted close left behind)
+        self._end()   # (what an interrupted commit or rollback left behind)
         self.recording = True
         _open_journals().add(self)
 
     def commit(self) -> None:
-        """The transaction succeeded: forget how to undo it."""
+        """The transaction succeeded: forget how to undo it.
+
+        Its first line is the commit point: once ``recording`` is False the transaction
+        stands, whatever interrupts the clean-up after it (``rollback`` then does nothing but
+        finish that clean-up, and so does the next ``begin``)."""
         self.recording = False
-        self._log.clear()
-        self._unsave(refresh=True)
-        _open_journals().discard(self)
+        self._end()
 
     def rollback(self) -> None:
         """Undo every recorded change, newest first, and close the transaction.
 
         Each inverse runs before it leaves the log, and every inverse may run twice: a rollback
         interrupted part-way is finished by calling it again (the journal stays open until then).
+        A journal that is not recording has nothing to undo: its transaction committed (or was
+        rolled back) already.
         """
+        if not self.recording:
+            self._end()
+            return
         log = self._log
         while log:
             undo, *args = log[-1]
             undo(*args)
             log.pop()
         self.recording = False
-        self._unsave(refresh=False)
+        self._end()
+
+    def _end(self) -> None:
+        """The clean-up after a commit or a rollback; every part of it may run again."""
+        self._log.clear()
+        self._unsave(refresh=True)
         _open_journals().discard(self)
 
     # ------------------------------------------------------------ before-images
@@ -720,8 +733,9 @@ def _restore_shared(obj: Any, name: str, old: Any, new: Any) -> None:
 
 
 def journal_of(obj: Any) -> Journal | None:
-    """The journal ``obj`` is enrolled in, or None."""
-    return getattr(type(obj), "_journal", None)
+    """The journal ``obj`` is enrolled in (an object or a journaled container), or None."""
+    journal = getattr(obj, "_journal", None)
+    return journal if isinstance(journal, Journal) else None
 
 
 @contextmanager
@@ -736,12 +750,65 @@ def transaction(*roots, follow: tuple[type, ...] = ()):
     if len(journals) > 1:
         raise ValueError("the roots of one transaction belong to different journals")
     journal = journals.pop() if journals else Journal(tuple(follow) + tuple({type(r) for r in roots}))
+    if journal.recording:
+        raise RuntimeError("a transaction of these objects is open already (a step is open?)")
     for root in roots:
         journal.adopt(root)
-    journal.begin()
-    try:
+    try:   # (begin and commit inside the try: a fault on any line of them is undone, or committed)
+        journal.begin()
         yield journal
+        journal.commit()
     except BaseException:
         journal.rollback()
         raise
-    journal.commit()
+
+
+# ---------------------------------------------------------------- interrupts
+
+class _HeldInterrupts:
+    """The SIGINT handler of a ``deferred_interrupts`` block: while ``active`` it notes the
+    signal; afterwards (if a fault kept it from being replaced back) it passes the signal on."""
+
+    def __init__(self, previous):
+        self.previous, self.active, self.held = previous, True, False
+
+    def __call__(self, signum, frame):
+        if self.active:
+            self.held = True
+        else:
+            _pass_on(self.previous, signum, frame)
+
+
+def _pass_on(handler, signum, frame) -> None:
+    if callable(handler):
+        handler(signum, frame)   # Python's default handler raises KeyboardInterrupt
+    elif handler != signal.SIG_IGN:
+        raise KeyboardInterrupt
+
+
+@contextmanager
+def deferred_interrupts():
+    """Hold a KeyboardInterrupt -- SIGINT: Ctrl-C, or Jupyter's "interrupt the kernel" -- until
+    the block ends, then raise it.
+
+    The journal makes a step undoable at any line, and the engine's plumbing is written so
+    that an exception on any of its lines is undone or completed; this closes the last gaps,
+    between the bytecodes of one line, for the one fault that arrives from outside. Any other
+    exception propagates at once. In a thread other than the main one (which never receives
+    signals), inside another such block, or where the handler was not installed from Python,
+    it changes nothing. A block that raises drops the held interrupt: its own exception stops
+    the caller already.
+    """
+    current = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if current is None or (isinstance(current, _HeldInterrupts) and current.active):
+        yield
+        return
+    holder = _HeldInterrupts(current)
+    signal.signal(signal.SIGINT, holder)
+    try:
+        yield
+    finally:
+        holder.active = False   # (from here on it passes a signal on, even if left installed)
+        signal.signal(signal.SIGINT, current)
+    if holder.held:
+        _pass_on(current, signal.SIGINT, None)

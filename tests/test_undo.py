@@ -418,3 +418,32 @@ def test_forget_overwritten_drops_the_written_blocks_entries_and_names_the_damag
     assert bm.blocks[shared].hash == -1
     assert bm.forget_overwritten({own_partial: 1}) == []   # writing past a sequence's computed tokens harms nobody
     check_invariants(bm, seqs)
+
+
+def test_deferred_interrupts_hold_a_sigint_until_the_block_ends():
+    import signal
+    import threading
+
+    from course_pkg.undo import deferred_interrupts
+
+    ran = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_interrupts():
+            signal.raise_signal(signal.SIGINT)
+            ran.append("the rest of the block")
+    assert ran == ["the rest of the block"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # the handler is back
+    with deferred_interrupts():   # nothing held: nothing raised
+        ran.append("quiet")
+    errors = []
+
+    def in_a_thread():   # signals reach the main thread only: there it changes nothing
+        try:
+            with deferred_interrupts():
+                errors.append(signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        except BaseException as e:
+            errors.append(e)
+    t = threading.Thread(target=in_a_thread)
+    t.start()
+    t.join()
+    assert errors == [True]

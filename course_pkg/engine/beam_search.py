@@ -117,8 +117,10 @@ def _search_transaction(engine, beams: list[Sequence]):
     try:
         with transaction(engine.block_manager, *beams):
             yield
+        runner.end_step()
     except BaseException:
-        engine.block_manager.forget_overwritten(runner.abort_step())   # (a beam only writes past its own K/V)
+        engine.block_manager.forget_overwritten(runner.written_slots())   # (a beam only writes past its own K/V)
+        runner.abort_step()
         raise
 
 

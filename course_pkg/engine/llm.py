@@ -90,32 +90,37 @@ class LLM(LLMEngine):
             if use_tqdm:
                 from tqdm.auto import tqdm
                 bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True)
+            received: list[RequestOutput] = []   # handed out by step(), not yet sorted
             try:
                 while pending:
-                    for out in self.step():
+                    received += self.step()
+                    while received:
+                        out = received[0]
                         if out.request_id in pending:
-                            pending.discard(out.request_id)
                             outputs[out.request_id] = out
+                            pending.discard(out.request_id)
                             if bar is not None:
                                 bar.update(1)
                         else:                                   # someone else's request
                             self.unclaimed_outputs[out.request_id] = out
+                        del received[0]
             except BaseException:
-                self._abandon(pending, outputs)
+                self._abandon(pending, outputs, received)
                 raise
             finally:
                 if bar is not None:
                     bar.close()
             return [outputs[i] for i in ids]
 
-    def _abandon(self, pending: set[int], outputs: dict[int, RequestOutput]) -> None:
-        """After a failure: abort the requests still pending, keep the outputs received."""
-        for request_id in sorted(pending):
+    def _abandon(self, pending: set[int], outputs: dict[int, RequestOutput], received: list[RequestOutput]) -> None:
+        """After a failure: keep the outputs received, abort the requests still pending."""
+        self.unclaimed_outputs.update(outputs)
+        self.unclaimed_outputs.update((o.request_id, o) for o in received)
+        for request_id in sorted(pending - set(self.unclaimed_outputs)):
             try:
                 self.abort_request(request_id)
             except Exception:   # keep aborting the others; the original error is re-raised
                 pass
-        self.unclaimed_outputs.update(outputs)
 
     def beam_search(self, prompts, params: BeamSearchParams, on_step=None) -> list[BeamSearchOutput]:
         """Beam search for every prompt (vLLM's ``LLM.beam_search``), one prompt after another.

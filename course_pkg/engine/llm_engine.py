@@ -33,6 +33,7 @@ import time
 from collections.abc import Sequence as SequenceABC
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 from course_pkg.engine.config import EngineConfig
@@ -44,6 +45,7 @@ from course_pkg.block_manager import BlockManager
 from course_pkg.sampling_params import SamplingParams
 from course_pkg.scheduler import Scheduler, SchedulerOutput
 from course_pkg.sequence import Sequence
+from course_pkg.undo import deferred_interrupts, transaction
 from course_pkg.validation import check_token_ids, is_int
 
 
@@ -105,10 +107,14 @@ class LLMEngine:
             # torch-free (n-gram): the scheduler proposes before it takes slots
             proposer=proposer if spec is not None and spec.method == "ngram" else None)
         self.block_size = cfg.block_size
-        self.num_steps = 0
         self.last_step: StepInfo | None = None
-        self._requests: dict[int, _Request] = {}     # every request not yet handed out
-        self._ready: list[int] = []                  # requests whose every completion finished
+        # The engine's own records, journaled with the scheduler's state (undo.py): a step,
+        # an add and an abort change them in the scheduler's transaction, all or nothing.
+        journal = self.scheduler.journal
+        self._requests: dict[int, _Request] = journal.adopt({})   # every request not yet handed out
+        self._ready: list[int] = journal.adopt([])                # requests whose every completion finished
+        self._outbox: dict[int, RequestOutput] = journal.adopt({})   # outputs built, not yet returned
+        self._open_step: int | None = None                        # see _finish_interrupted_step
         self._lock = threading.RLock()
         self.prometheus = PrometheusMetrics(Path(model).name if model is not None else "course-tiny",
                                             num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
@@ -119,16 +125,24 @@ class LLMEngine:
         """The ``prometheus_client.CollectorRegistry`` with this engine's metrics (vLLM's names)."""
         return self.prometheus.registry
 
+    @property
+    def num_steps(self) -> int:
+        """Steps run so far (the scheduler's count of committed steps)."""
+        return self.scheduler.num_steps
+
     @contextmanager
     def _exclusive(self):
         """Hold the engine for this thread; another thread gets a RuntimeError at once."""
-        if not self._lock.acquire(blocking=False):
-            raise RuntimeError("this engine is in use by another thread (step, generate, add_request or "
-                               "abort_request are running there); an engine serves one thread at a time")
-        try:
+        locked = False
+        try:   # (acquired inside the try: an interrupt right after it still releases the lock)
+            locked = self._lock.acquire(blocking=False)
+            if not locked:
+                raise RuntimeError("this engine is in use by another thread (step, generate, add_request or "
+                                   "abort_request are running there); an engine serves one thread at a time")
             yield
         finally:
-            self._lock.release()
+            if locked:
+                self._lock.release()
 
     def close(self) -> None:
         """Release what outlives a Python reference: the tensor-parallel worker processes."""
@@ -188,12 +202,14 @@ class LLMEngine:
 
     def _add_all(self, seqs: list[Sequence], prompts: list) -> list[int]:
         self.model_runner.check_usable()
-        self.scheduler.add_all(seqs)   # checks every one first; queues all or none
         now = time.perf_counter()
-        for seq, prompt in zip(seqs, prompts):
-            text = parse_prompt(prompt)[0]
-            self._requests[seq.seq_id] = _Request(seq, text if isinstance(text, str) else None,
-                                                  RequestMetrics(arrival_time=now, arrival_step=self.num_steps))
+        records = [(seq.seq_id, _Request(seq, text if isinstance(text, str) else None,
+                                         RequestMetrics(arrival_time=now, arrival_step=self.num_steps)))
+                   for seq, text in zip(seqs, (parse_prompt(p)[0] for p in prompts))]
+        with deferred_interrupts():
+            self._finish_interrupted_step()
+            # Checks every one first; queues all or none, and the engine's records with them.
+            self.scheduler.add_all(seqs, then=lambda: self._requests.update(records))
         self.prometheus.update(self.get_metrics())
         return [seq.seq_id for seq in seqs]
 
@@ -206,18 +222,24 @@ class LLMEngine:
         if not is_int(request_id):
             raise TypeError(f"a request id is an int, got {type(request_id).__name__} {request_id!r}")
         with self._exclusive():
-            if request_id not in self._requests:
-                raise KeyError(f"no unfinished request with id {request_id}")
-            if request_id not in self._ready:
-                for seq in self._completions(request_id):
-                    if self.scheduler.holds(seq):
-                        self.scheduler.abort(seq)
-            out = self._make_output(request_id)   # if this raises, a second call returns it
-            if request_id in self._ready:
-                self._ready.remove(request_id)
-            del self._requests[request_id]
-            self._observe_finished([out])
-            return out
+            with deferred_interrupts():
+                self._finish_interrupted_step()
+                if request_id not in self._outbox:   # (else: finished, built, not yet returned by a step)
+                    if request_id not in self._requests:
+                        raise KeyError(f"no unfinished request with id {request_id}")
+                    for seq in self._completions(request_id):
+                        if self.scheduler.holds(seq):
+                            self.scheduler.abort(seq, then=partial(self._mark_ready, [seq]))
+                    self._mark_ready(self._completions(request_id))
+                    self._hand_out_ready([request_id])   # if the tokenizer raises, a second call returns it
+                    self._observe_finished([self._outbox[request_id]])
+            out = self._outbox[request_id]
+            try:   # (as in _take_outbox: a fault before the return is complete puts it back)
+                del self._outbox[request_id]
+                return out
+            except BaseException:
+                self._outbox[request_id] = out
+                raise
 
     def _completions(self, request_id: int) -> list[Sequence]:
         """The sequences of a request: its own, then its forks (completions 1 .. n-1)."""
@@ -232,7 +254,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """True while some request's output has not been handed out by ``step()``."""
-        return bool(self._requests)
+        return bool(self._requests) or bool(self._outbox)
 
     def is_finished(self) -> bool:
         return not self.has_unfinished_requests()
@@ -251,37 +273,60 @@ class LLMEngine:
 
     def _step(self, deltas: bool) -> tuple[list[EngineCoreOutput], list[RequestOutput]]:
         with self._exclusive():
-            sched, runner = self.scheduler, self.model_runner
-            sched.unschedule()   # finishes a rollback that an interrupt cut short (usually nothing)
-            out = sched.schedule()   # if this raises, it undid itself
-            try:
-                runner.begin_step(out.seqs)
-                result = runner.execute_model(out)
-                finished = sched.update_from_output(out, result)
-            except BaseException:
-                sched.unschedule(out, overwritten=runner.abort_step())
-                raise
-            # The step is committed. What follows is the engine's own record of it; the finished
-            # requests are noted first, so that nothing after can lose them.
-            ready = self._mark_ready(finished)
-            self._note_step(out, result, time.perf_counter())
-            self.last_step = StepInfo(
-                step=self.num_steps, is_prefill=out.is_prefill,
-                scheduled=tuple(zip((s.seq_id for s in out.seqs), out.num_computed_tokens, out.num_scheduled_tokens)),
-                sampled=tuple((s.seq_id, t[0] if len(t) == 1 else list(t))
-                              for s, t in zip(out.seqs, result.sampled_token_ids) if t),
-                preempted=tuple(s.seq_id for s in out.preempted), finished=tuple(ready),
-                copies=out.blocks_to_copy, swap_out=out.blocks_to_swap_out, swap_in=out.blocks_to_swap_in)
-            self.num_steps += 1
-            core = self._core_outputs(out, result, finished) if deltas else {}
-            outputs = self._hand_out()
-            for o in outputs:   # handed out now: the request is finished (its last tokens may be older)
+            # A Ctrl-C waits until the step has committed or been undone, and its outputs are
+            # in the outbox; raised at the end of this block, it leaves them there for the next call.
+            with deferred_interrupts():
+                self._finish_interrupted_step()
+                core = self._run_step(deltas)
+                handed = self._hand_out_ready()
+            self._observe_finished(handed)   # (if the metrics fail, the outputs wait in the outbox)
+            for o in self._outbox.values():   # handed out now: finished (its last tokens may be older)
                 c = core.get(o.request_id)
                 core[o.request_id] = replace(c, finished=True, metrics=o.metrics) if c is not None else \
                     EngineCoreOutput(o.request_id, {}, {}, {x.index: x.finish_reason for x in o.outputs},
                                      o.num_cached_tokens, o.metrics, finished=True)
-            self._observe_finished(outputs)
-            return list(core.values()), outputs
+            return self._take_outbox(list(core.values()))
+
+    def _run_step(self, deltas: bool) -> dict[int, EngineCoreOutput]:
+        """Schedule, execute and record one step -- the scheduler's transaction, with the
+        requests that finished in it marked ready inside it -- then the engine's notes on it."""
+        sched, runner = self.scheduler, self.model_runner
+        self._open_step = sched.num_steps   # the step about to run (see _finish_interrupted_step)
+        try:
+            out = sched.schedule()   # opens the transaction
+            runner.begin_step(out.seqs)
+            result = runner.execute_model(out)
+            finished = sched.update_from_output(out, result, commit=False)
+            ready = self._mark_ready(finished)
+            sched.commit_step()      # the commit point
+            runner.end_step()
+        except BaseException:
+            self._finish_interrupted_step()
+            raise
+        # The step stands. What follows is the engine's record of it (metrics, the printable
+        # StepInfo, the streamed deltas): an exception here loses none of the step's work.
+        self._note_step(out, result, time.perf_counter())
+        self.last_step = StepInfo(
+            step=out.step, is_prefill=out.is_prefill,
+            scheduled=tuple(zip((s.seq_id for s in out.seqs), out.num_computed_tokens, out.num_scheduled_tokens)),
+            sampled=tuple((s.seq_id, t[0] if len(t) == 1 else list(t))
+                          for s, t in zip(out.seqs, result.sampled_token_ids) if t),
+            preempted=tuple(s.seq_id for s in out.preempted), finished=tuple(ready),
+            copies=out.blocks_to_copy, swap_out=out.blocks_to_swap_out, swap_in=out.blocks_to_swap_in)
+        return self._core_outputs(out, result, finished) if deltas else {}
+
+    def _finish_interrupted_step(self) -> None:
+        """Bring a step that a fault cut short to an end: undone if it had not committed, else
+        closed. Every part may be cut short too and run again: the engine calls this before
+        any step, add or abort, and whenever a step raises."""
+        sched, runner = self.scheduler, self.model_runner
+        if sched.journal.recording or (runner.step_is_open and sched.num_steps == self._open_step):
+            # Not committed (or its rollback was cut short). The K/V slots it wrote stay noted in
+            # the runner until the scheduler has dealt with them; then the generators go back.
+            sched.unschedule(overwritten=runner.written_slots())
+            runner.abort_step()
+        else:
+            runner.end_step()   # committed (or nothing was open)
 
     def _core_outputs(self, out: SchedulerOutput, result: ModelRunnerOutput,
                       finished: list[Sequence]) -> dict[int, EngineCoreOutput]:
@@ -324,7 +369,7 @@ class LLMEngine:
                 continue
             sampled_requests.add(seq.request_id)
             first = req.metrics.first_token_time is None
-            req.metrics.record_token(now, self.num_steps)
+            req.metrics.record_token(now, out.step)
             self.prometheus.observe_token(req.metrics.time_to_first_token if first else None,
                                           None if first else req.metrics.inter_token_latencies[-1])
 
@@ -338,22 +383,39 @@ class LLMEngine:
                 ready.append(rid)
         return ready
 
-    def _hand_out(self) -> list[RequestOutput]:
-        """The outputs of the ready requests, each exactly once.
+    def _hand_out_ready(self, request_ids: list[int] | None = None) -> list[RequestOutput]:
+        """Build the outputs of the ready requests (or of ``request_ids`` among them) and move
+        them to the outbox; returns the outputs moved.
 
-        Every output is built before any is handed out: if the tokenizer raises, they all stay
-        ready and the next step hands them out. Once the scheduler holds nothing, every request
-        left is finished: an interrupt between a commit and ``_mark_ready`` loses none.
+        Every output is built before anything changes: if the tokenizer raises, they all stay
+        ready and the next call moves them. The move is a transaction: the outbox gains them
+        and the request table loses them together. Once the scheduler holds nothing, every
+        request left is finished and is marked ready here.
         """
         if self.scheduler.is_finished() and len(self._ready) < len(self._requests):
             self._mark_ready([s for rid in self._requests for s in self._completions(rid)])
-        outputs = [self._make_output(rid) for rid in self._ready]
-        for rid in self._ready:
-            del self._requests[rid]
-        self._ready = []
-        return outputs
+        ids = list(self._ready) if request_ids is None else [rid for rid in request_ids if rid in self._ready]
+        built = {rid: self._make_output(rid) for rid in ids}
+        with transaction(self._requests, self._ready, self._outbox):
+            self._outbox.update(built)
+            for rid in ids:
+                del self._requests[rid]
+                self._ready.remove(rid)
+        return list(built.values())
+
+    def _take_outbox(self, core: list[EngineCoreOutput]):
+        """``(core, outputs)``, emptying the outbox: what ``step_core`` returns. A fault before the
+        return is complete puts the outputs back (the next call returns them)."""
+        outputs = list(self._outbox.values())
+        try:
+            self._outbox.clear()
+            return core, outputs
+        except BaseException:
+            self._outbox.update((o.request_id, o) for o in outputs)
+            raise
 
     def _observe_finished(self, outputs: list[RequestOutput]) -> None:
+        """Metrics of outputs handed out (after the hand-out: if they fail, no output is lost)."""
         for out in outputs:
             self.prometheus.observe_finished(out.metrics.e2e_latency, out.metrics.queue_time)
         self.prometheus.update(self.get_metrics())

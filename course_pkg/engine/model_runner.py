@@ -22,6 +22,7 @@ chunk in the middle of a prompt only fills the cache. ``execute_model`` performs
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -42,6 +43,15 @@ def resolve_backend(attention_backend: str, device: torch.device) -> str:
     if attention_backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
     return check_choice("attention_backend", attention_backend, BACKENDS)
+
+
+@dataclass
+class _OpenStep:
+    """The runner's part of an open step: where the sampler's generators stood when it began,
+    and the K/V slots written since, ``{block id: first offset written}``."""
+
+    sampler_state: tuple
+    written: dict[int, int] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -82,10 +92,8 @@ class ModelRunner:
         self.cpu_kv_cache = self._allocate_cpu_cache(num_cpu_blocks)
         # Speculative decoding (chapter 14): a NgramProposer or an EarlyExitProposer, or None.
         self.proposer = proposer
-        # The open step's part of the transaction (begin_step / abort_step): where the sampler's
-        # generators stood, and the K/V slots written so far, {block id: first offset written}.
-        self._sampler_state = None
-        self._written: dict[int, int] = {}
+        # The open step's part of the transaction (begin_step .. end_step or abort_step), or None.
+        self._step: _OpenStep | None = None
 
     # ---------------------------------------------------------------- swapping (chapter 09)
 
@@ -196,23 +204,35 @@ class ModelRunner:
     def begin_step(self, seqs) -> None:
         """The runner's part of a step's transaction: note where the sampler's generators stand
         for the step's sequences (``SchedulerOutput.seqs``), and start counting the K/V slots
-        the step writes."""
-        self._sampler_state = self.sampler.get_state(seqs)
-        self._written = {}
+        the step writes. (One assignment: a step is open here, or it is not.)"""
+        self._step = _OpenStep(self.sampler.get_state(seqs))
 
-    def abort_step(self) -> dict[int, int]:
-        """The step is undone: put the generators back (the redone step draws the same) and
-        return the K/V slots it wrote, ``{block id: first offset written}`` -- memory no undo
-        gives back (``Scheduler.unschedule`` deals with it)."""
-        if self._sampler_state is not None:
-            self.sampler.set_state(self._sampler_state)
-            self._sampler_state = None
-        written, self._written = self._written, {}
-        return written
+    def end_step(self) -> None:
+        """The step committed: forget how to undo it."""
+        self._step = None
+
+    def written_slots(self) -> dict[int, int]:
+        """The K/V slots the open step has written so far, ``{block id: first offset written}``
+        -- memory no undo gives back (``Scheduler.unschedule`` deals with it). Empty when no
+        step is open."""
+        return dict(self._step.written) if self._step is not None else {}
+
+    def abort_step(self) -> None:
+        """The step is undone: put the generators back, so the redone step draws the same. May
+        run again (it puts back the same states) until it has closed the step."""
+        if self._step is not None:
+            self.sampler.set_state(self._step.sampler_state)
+            self._step = None
+
+    @property
+    def step_is_open(self) -> bool:
+        return self._step is not None
 
     def _note_written(self, slots) -> None:
-        """``(block id, offset)`` pairs about to be written."""
-        written = self._written
+        """``(block id, offset)`` pairs about to be written (write-ahead: noted before the write)."""
+        if self._step is None:
+            return
+        written = self._step.written
         for block_id, offset in slots:
             if offset < written.get(block_id, offset + 1):
                 written[block_id] = offset
@@ -374,7 +394,7 @@ class ModelRunner:
             input_ids.extend(token_ids[start:end])
             positions.extend(range(start, end))
             # Slots block by block: a run of consecutive slots inside each physical block.
-            written = self._written
+            written = self._step.written if self._step is not None else {}   # (see _note_written)
             for i in range(start // bs, (end - 1) // bs + 1):
                 first = max(start, i * bs)
                 last = min(end, (i + 1) * bs)

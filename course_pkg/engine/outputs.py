@@ -71,12 +71,13 @@ class RequestMetrics:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
     def record_token(self, now: float, step: int) -> None:
-        """A token was sampled for this request at ``now``, in engine step ``step``."""
-        if self.first_token_time is None:
-            self.first_token_time = now
-        else:
+        """A token was sampled for this request at ``now``, in engine step ``step``. (In this
+        order, a call cut short at any line leaves fields the next call can work with.)"""
+        if self.last_token_time is not None:
             self.inter_token_latencies.append(now - self.last_token_time)
         self.last_token_time = now
+        if self.first_token_time is None:
+            self.first_token_time = now
         self.token_steps.append(step)
 
     @property
