@@ -24,8 +24,10 @@ plain Python that knows nothing of it.
   is enrolled with it, so the whole reachable state stays journaled. Only instances of the
   classes named by ``follow`` are enrolled (the scheduler names the core's: a step changes
   nothing else).
-* ``Journal.begin`` starts recording; ``commit`` forgets the log; ``rollback`` runs it
-  backwards, newest first, so each inverse meets exactly the state its change left behind.
+* ``Journal.begin`` starts recording; ``commit`` forgets the log (its first line is the commit
+  point); ``rollback`` runs it backwards, newest first, so each inverse meets exactly the
+  state its change left behind.
+* ``deferred_interrupts`` holds a SIGINT while the engine opens, commits or hands out a step.
 
 Every record is written *before* its change (write-ahead), and every inverse is idempotent: it
 puts back a saved value or cuts back to a saved length. So an interrupt that lands between a
@@ -36,7 +38,7 @@ test per change; objects never enrolled (a BlockManager of chapters 02-04 on its
 nothing at all.
 
 What no journal can give back is memory: the K/V a step wrote into the cache. The model
-runner knows which slots it wrote (``ModelRunner.abort_step``); after a rollback the blocks
+runner knows which slots it wrote (``ModelRunner.written_slots``); after a rollback the blocks
 they belong to lose their cache entries and a sequence whose computed tokens were overwritten
 is recomputed (``BlockManager.forget_overwritten``).
 """

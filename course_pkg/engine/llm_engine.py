@@ -13,13 +13,14 @@ tokens the prefix cache provided; for the engine the counters vLLM exports under
 names (prefix-cache queries, hits and hit rate, KV cache usage, preemptions, tokens).
 
 Faults. A step is a transaction (``course_pkg.undo``; ARCHITECTURE.md, "The journal"): if
-anything raises between the first line of ``schedule`` and the last of ``update_from_output``
--- the model, the sampler, the block manager, an interrupt -- the scheduler's journal is played
-backwards and the model runner puts its generators back (``Scheduler.unschedule``,
-``ModelRunner.abort_step``), the engine is as it was before the step, and the next step
-computes the same tokens, seeded samples included. What the engine does after the step
-is committed cannot fail, except building the finished outputs (the tokenizer): those wait
-and are handed out, exactly once, by the next ``step()`` that can build them.
+anything raises on any line between the first of ``schedule`` and the commit -- the model,
+the sampler, the block manager, an interrupt -- the scheduler's journal is played backwards
+and the model runner puts its generators back (``_finish_interrupted_step``), the engine is
+as it was before the step, and the next step computes the same tokens, seeded samples
+included. The requests a step finishes are marked ready inside it; their outputs are built
+after it and moved to an outbox in one transaction, which ``step()`` empties: a tokenizer
+error, failing metrics or an interrupt leave them there for the next call, exactly once. A
+SIGINT (Ctrl-C, "interrupt the kernel") waits until the step has committed or been undone.
 
 Threads. One engine serves one thread at a time: a call from a second thread while another
 one is inside ``step``/``generate``/``add_request``/``abort_request`` raises ``RuntimeError``
