@@ -552,10 +552,11 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         self._check_holder(seq)
+        name = "num_computed_tokens" if num_computed_tokens is not None else "seq.num_cached_tokens"
         if num_computed_tokens is None:
             num_computed_tokens = seq.num_cached_tokens
-        elif not is_int(num_computed_tokens) or not 0 <= num_computed_tokens <= seq.num_tokens:
-            raise ValueError(f"num_computed_tokens={num_computed_tokens!r}: sequence {seq.seq_id} has "
+        if not is_int(num_computed_tokens) or not 0 <= num_computed_tokens <= seq.num_tokens:
+            raise ValueError(f"{name}={num_computed_tokens!r}: sequence {seq.seq_id} has "
                              f"{seq.num_tokens} tokens, so between 0 and {seq.num_tokens} can be computed")
         num_full = min(num_computed_tokens // self.block_size, len(seq.block_table))
         h = seq.block_hashes[-1] if seq.block_hashes else salt_hash(seq.cache_salt)

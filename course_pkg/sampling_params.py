@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from course_pkg.validation import INT64_MAX, INT64_MIN, check_bool, check_int, check_positive_int, check_real
+from course_pkg.validation import SEED_LIMIT, check_bool, check_int, check_positive_int, check_real
 
 
 @dataclass(frozen=True)
@@ -12,8 +12,9 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy decoding. ``ignore_eos`` keeps generating past the
     end-of-sequence token until ``max_tokens`` (benchmarks use it for fixed lengths). ``seed``
-    gives the request a random generator of its own (an integer that fits in int64, as torch's
-    generators require), so its tokens do not depend on the other requests in its batches.
+    gives the request a random generator of its own, so its tokens do not depend on the other
+    requests in its batches: an integer in ``[0, 2**32 - n]`` (torch's generator keeps 32 bits
+    of a seed, so a larger one would draw the same numbers as a smaller one).
     ``n`` completions are sampled from one prompt (parallel sampling): the prompt is computed
     once and shared; completion ``j`` draws from a generator seeded ``seed + j``, so it equals
     the one-completion request with seed ``seed + j``.
@@ -36,7 +37,12 @@ class SamplingParams:
         check_bool("ignore_eos", self.ignore_eos)
         check_positive_int("n", self.n)
         if self.seed is not None:
-            check_int("seed", self.seed, minimum=INT64_MIN, maximum=INT64_MAX - (self.n - 1))
+            check_int("seed", self.seed)
+            if not 0 <= self.seed <= SEED_LIMIT - self.n:
+                same = f"seed {self.seed % SEED_LIMIT}" if self.n == 1 else "another seed"
+                raise ValueError(f"seed must be an integer in [0, 2**32 - n] = [0, {SEED_LIMIT - self.n}], got "
+                                 f"{self.seed}: torch's generator keeps 32 bits of a seed, so it would draw the "
+                                 f"same numbers as {same}" + (" (completion j draws with seed + j)" if self.n > 1 else ""))
 
 
 @dataclass(frozen=True)

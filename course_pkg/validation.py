@@ -13,6 +13,9 @@ from array import array
 
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 UINT64_MAX = 2**64 - 1
+# torch's CPU generator keeps 32 bits of a seed: s and s + 2**32 (or -1 and 2**32 - 1) draw the
+# same numbers, so a seed is refused outside [0, 2**32).
+SEED_LIMIT = 2**32
 
 
 def is_int(value) -> bool:

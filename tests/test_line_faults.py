@@ -36,7 +36,7 @@ TRACED = (str(Path(course_pkg.__file__).parent), contextlib.__file__)
 # SIGINT it holds; an exception injected into its clean-up could only leave the process's
 # Ctrl-C handler half restored, which no real fault can do.
 UNTRACED = {"deferred_interrupts", "_pass_on"}
-SWEEP = {"prefill_first-recompute": 48, "mixed-swap-same_step": 48}   # faulted runs per fault kind
+SWEEP = {"prefill_first-recompute": 32, "mixed-swap-same_step": 32}   # faulted runs per fault kind
 KINDS = ("RuntimeError", "MemoryError", "SIGINT")
 
 

@@ -329,6 +329,9 @@ def test_allocate_with_minus_one_says_the_pool_is_full():
     (dict(seed=1.0), "seed must be an integer"),
     (dict(seed=True), "seed must be an integer"),
     (dict(seed=2**63), "seed must be an integer"),
+    (dict(seed=2**32), "seed must be an integer"),           # torch keeps 32 bits: it would draw as seed 0
+    (dict(seed=-1), "seed must be an integer"),              # ... and -1 as 2**32 - 1
+    (dict(seed=2**32 - 2, n=4), "seed must be an integer"),  # completions 2, 3 would be seeds 0, 1
     (dict(max_tokens=True), "max_tokens"),
     (dict(temperature=True), "temperature"),
     (dict(temperature="0"), "temperature"),
@@ -342,8 +345,9 @@ def test_sampling_params_are_type_strict(kwargs, message):
 
 
 def test_sampling_params_accept_the_edges():
-    SamplingParams(seed=2**63 - 1)
-    SamplingParams(seed=-2**63, temperature=0, top_p=1)
+    SamplingParams(seed=2**32 - 1)
+    SamplingParams(seed=2**32 - 4, n=4)
+    SamplingParams(seed=0, temperature=0, top_p=1)
 
 
 @pytest.mark.parametrize("make", [
@@ -550,6 +554,10 @@ def test_hash_blocks_and_append_token_refuse_impossible_values():
     for bad in (-5, 6, 2.0):
         with pytest.raises(ValueError, match="num_computed_tokens"):
             bm.hash_blocks(seq, bad)
+    seq.num_cached_tokens = 99    # set beyond the sequence: its partial last block must not register
+    with pytest.raises(ValueError, match="seq.num_cached_tokens=99"):
+        bm.hash_blocks(seq)
+    seq.num_cached_tokens = 0
     for bad in (-1, "x", 1.5, True):
         with pytest.raises(ValueError, match="cannot append"):
             seq.append_token(bad)

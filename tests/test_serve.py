@@ -807,3 +807,45 @@ def test_streamed_logprobs_are_each_tokens_own_also_for_a_speculative_step(one_t
     assert any(len(o.outputs[0].token_ids) > 1 for o in outs), "no step streamed several tokens"
     assert all(lp == lp and lp <= 0 for lp in logprobs)   # no NaN
     assert abs(sum(logprobs) - want.outputs[0].cumulative_logprob) < 1e-4
+
+
+def test_a_call_in_the_engine_thread_that_raises_keyboard_interrupt_leaves_the_loop_serving(served):
+    llm, _ = served
+
+    def interrupted(engine, live):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        llm.call_in_engine_thread(interrupted)
+    assert llm.is_running
+    assert llm.call_in_engine_thread(lambda engine, live: engine.num_steps) >= 0   # the loop still answers
+
+
+def test_tokenizing_a_prompt_leaves_the_event_loop_serving(served, client):
+    """While a prompt is being tokenized (held here until /health has answered), the server
+    answers other requests: tokenization runs off the event loop."""
+    import threading
+
+    llm, server = served
+    tokenizer = llm.tokenizer
+    started, release = threading.Event(), threading.Event()
+    real_encode = tokenizer.encode
+
+    def slow_encode(*args, **kwargs):
+        started.set()
+        release.wait(30)
+        return real_encode(*args, **kwargs)
+
+    tokenizer.encode = slow_encode
+    try:
+        pending = threading.Thread(target=lambda: client.completions.create(model=llm.model_name, prompt="Once upon",
+                                                                            max_tokens=2, temperature=0))
+        pending.start()
+        assert started.wait(30)
+        health = httpx.get(server.url + "/health", timeout=5)   # would time out on a blocked event loop
+        assert health.status_code == 200
+    finally:
+        release.set()
+        del tokenizer.encode
+    pending.join(30)
+    assert not pending.is_alive()

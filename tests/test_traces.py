@@ -61,6 +61,8 @@ def test_the_shipped_azure_trace_loads_with_times_from_the_first_request():
     ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1.5]}', "every hash id"),
     ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [9, 2]}', "not chained"),
     ('[1, 2]', "JSON object"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1000000000000000000000000000000]}',
+     r"every hash id must be an integer in \[0, 2\*\*63\)"),
 ])
 def test_a_bad_mooncake_line_names_the_line(tmp_path, line, message):
     path = tmp_path / "t.jsonl"
@@ -81,6 +83,20 @@ def test_a_bad_azure_line_names_the_line(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(TraceFormatError, match=message):
         load_azure(path)
+
+
+def test_a_trace_that_is_not_utf8_names_the_line_and_a_final_blank_line_is_fine(tmp_path):
+    good = '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [7]}\n'
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(good.encode() + b'{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [7], "x": "\xff"}\n')
+    with pytest.raises(TraceFormatError, match=r"line 2: not UTF-8 text \(byte 0xff"):
+        load_mooncake(path)
+    csv_path = tmp_path / "t.csv"
+    csv_path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.1,5,1\n2023-11-16 18:17:04.1,6,2\n\n")
+    assert [(r.input_length, r.output_length) for r in load_azure(csv_path)] == [(5, 1), (6, 2)]
+    csv_path.write_bytes(b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.1,5,1\n\xfe,1,1\n")
+    with pytest.raises(TraceFormatError, match="line 3: not UTF-8"):
+        load_azure(csv_path)
 
 
 def test_the_cli_replays_and_describes(capsys, tmp_path):

@@ -495,7 +495,7 @@ class AsyncLLM:
         fn, result = arg
         try:
             value = (True, fn(self.engine, self.live_sequences()))
-        except Exception as e:
+        except BaseException as e:   # (a KeyboardInterrupt or SystemExit of fn's is fn's caller's, not the loop's)
             value = (False, e)
         if result is not None:
             result.put(value)

@@ -20,7 +20,7 @@ from course_pkg.engine.spec_decode import SpeculativeConfig
 from course_pkg.models.attention import BACKENDS
 from course_pkg.policies import ADMISSION_POLICIES, check_preemption_mode
 from course_pkg.scheduler import check_same_step_prefix_hits
-from course_pkg.validation import INT64_MAX, check_bool, check_choice, check_int, check_positive_int, check_real
+from course_pkg.validation import SEED_LIMIT, check_bool, check_choice, check_int, check_positive_int, check_real
 
 ATTENTION_BACKENDS = ("auto", *BACKENDS)   # "auto": Triton on CUDA, torch elsewhere
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -92,7 +92,7 @@ class EngineConfig:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of torch.float32, torch.float16, torch.bfloat16 or None, "
                              f"got {self.dtype!r}")
-        check_int("seed", self.seed, minimum=0, maximum=INT64_MAX)
+        check_int("seed", self.seed, minimum=0, maximum=SEED_LIMIT - 1)
         check_choice("free_queue", self.free_queue, FREE_QUEUES)
         check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         check_choice("scheduling", self.scheduling, tuple(ADMISSION_POLICIES))

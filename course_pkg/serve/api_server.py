@@ -238,7 +238,7 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None) -> FastAPI:
         if req.logprobs:
             raise APIError("this engine computes only the sampled token's log-probability: logprobs must be 0 "
                            "(each token's own log-probability) or absent", param="logprobs")
-        ids = prompt_token_ids(req.prompt)
+        ids = await asyncio.to_thread(prompt_token_ids, req.prompt)   # (a long text: the event loop serves on)
         state = await start(req, ids, req.prompt if isinstance(req.prompt, str) else None, req.max_tokens, "cmpl")
         shape = _CompletionShape(state, model_name, with_logprobs=req.logprobs is not None, tokenizer=tokenizer,
                                  token_ids=bool(req.return_tokens_as_token_ids))
@@ -255,8 +255,12 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None) -> FastAPI:
                            f"prompt: use /v1/completions, or give the model folder a chat_template.jinja",
                            param="messages", code="no_chat_template")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = prompt_token_ids(text)
+
+        def chat_prompt():
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return text, prompt_token_ids(text)
+
+        text, ids = await asyncio.to_thread(chat_prompt)   # (a long conversation: the event loop serves on)
         if req.max_tokens is not None and req.max_completion_tokens is not None:
             raise APIError("give max_tokens or max_completion_tokens, not both", param="max_tokens")
         state = await start(req, ids, text, req.max_completion_tokens or req.max_tokens, "chatcmpl")

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from course_pkg.validation import INT64_MAX
+
 MOONCAKE_BLOCK_SIZE = 512   # tokens per hash id in Mooncake's traces
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 MOONCAKE_TRACE = DATA_DIR / "mooncake_synthetic_trace.jsonl"
@@ -51,9 +53,19 @@ class TraceRequest:
 
 
 def _count(value, what: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{what} must be an integer >= 0, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= INT64_MAX:
+        raise ValueError(f"{what} must be an integer in [0, 2**63), got {value!r}")
     return value
+
+
+def _text_lines(path, f):
+    """The lines of the binary file ``f`` as text, naming the line that is not UTF-8."""
+    for lineno, raw in enumerate(f, 1):
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TraceFormatError(f"{path}, line {lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at "
+                                   f"column {e.start + 1})") from None
 
 
 def _limit(limit) -> int | None:
@@ -72,8 +84,8 @@ def load_mooncake(path, limit: int | None = None) -> list[TraceRequest]:
     limit = _limit(limit)
     requests: list[TraceRequest] = []
     parent_of: dict[int, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(_text_lines(path, f), 1):
             if limit is not None and len(requests) >= limit:
                 break
             if not line.strip():
@@ -125,8 +137,8 @@ def load_azure(path, limit: int | None = None) -> list[TraceRequest]:
     limit = _limit(limit)
     requests: list[TraceRequest] = []
     start = None
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.reader(f)
+    with open(path, "rb") as f:
+        reader = csv.reader(_text_lines(path, f))
         header = next(reader, None)
         if header != AZURE_COLUMNS:
             raise TraceFormatError(f"{path}, line 1: expected the header {','.join(AZURE_COLUMNS)}, got {header}")
@@ -134,6 +146,8 @@ def load_azure(path, limit: int | None = None) -> list[TraceRequest]:
             if limit is not None and len(requests) >= limit:
                 break
             lineno = reader.line_num
+            if not any(field.strip() for field in row):   # a blank line (the files end with one)
+                continue
             try:
                 if len(row) != 3:
                     raise ValueError(f"expected 3 fields, got {len(row)}")
