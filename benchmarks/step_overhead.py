@@ -57,7 +57,7 @@ def measure(path, batch: int, prompt_len: int, output_len: int, seed: int = 0) -
     entries = []
     real_commit = UndoLog.commit
 
-    def counting_commit(log):
+    def counting_commit(log):   # (a step may commit more than once: its own log is the longest)
         entries.append(len(log))
         real_commit(log)
 
@@ -66,10 +66,11 @@ def measure(path, batch: int, prompt_len: int, output_len: int, seed: int = 0) -
     try:
         while llm.has_unfinished_requests():
             inside.clear()
+            entries.clear()
             start = time.perf_counter()
             llm.step()
             total = time.perf_counter() - start
-            rows.append((llm.last_step.is_prefill, total, sum(inside), entries[-1] if entries else 0))
+            rows.append((llm.last_step.is_prefill, total, sum(inside), max(entries, default=0)))
     finally:
         UndoLog.commit = real_commit
     return {"prefill": [r for r in rows if r[0]], "decode": [r for r in rows if not r[0]]}

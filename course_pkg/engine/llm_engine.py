@@ -396,6 +396,8 @@ class LLMEngine:
         if self.scheduler.is_finished() and len(self._ready) < len(self._requests):
             self._mark_ready([s for rid in self._requests for s in self._completions(rid)])
         ids = list(self._ready) if request_ids is None else [rid for rid in request_ids if rid in self._ready]
+        if not ids:
+            return []
         built = {rid: self._make_output(rid) for rid in ids}
         with transaction(self._requests, self._ready, self._outbox):
             self._outbox.update(built)
