@@ -133,14 +133,21 @@ class LLMEngine:
 
     @contextmanager
     def _exclusive(self):
-        """Hold the engine for this thread; another thread gets a RuntimeError at once."""
+        """Hold the engine for this thread; another thread gets a RuntimeError at once. Every
+        call that holds it starts and, if it raises, ends by finishing what a fault left open
+        (``_finish_interrupted_step``): a transaction cut short on any line is never left open."""
         locked = False
         try:   # (acquired inside the try: an interrupt right after it still releases the lock)
             locked = self._lock.acquire(blocking=False)
             if not locked:
                 raise RuntimeError("this engine is in use by another thread (step, generate, add_request or "
                                    "abort_request are running there); an engine serves one thread at a time")
+            self._finish_interrupted_step()
             yield
+        except BaseException:
+            if locked:
+                self._finish_interrupted_step()
+            raise
         finally:
             if locked:
                 self._lock.release()
@@ -208,7 +215,6 @@ class LLMEngine:
                                          RequestMetrics(arrival_time=now, arrival_step=self.num_steps)))
                    for seq, text in zip(seqs, (parse_prompt(p)[0] for p in prompts))]
         with deferred_interrupts():
-            self._finish_interrupted_step()
             # Checks every one first; queues all or none, and the engine's records with them.
             self.scheduler.add_all(seqs, then=lambda: self._requests.update(records))
         self.prometheus.update(self.get_metrics())
@@ -224,7 +230,6 @@ class LLMEngine:
             raise TypeError(f"a request id is an int, got {type(request_id).__name__} {request_id!r}")
         with self._exclusive():
             with deferred_interrupts():
-                self._finish_interrupted_step()
                 if request_id not in self._outbox:   # (else: finished, built, not yet returned by a step)
                     if request_id not in self._requests:
                         raise KeyError(f"no unfinished request with id {request_id}")
@@ -277,7 +282,6 @@ class LLMEngine:
             # A Ctrl-C waits until the step has committed or been undone, and its outputs are
             # in the outbox; raised at the end of this block, it leaves them there for the next call.
             with deferred_interrupts():
-                self._finish_interrupted_step()
                 core = self._run_step(deltas)
                 handed = self._hand_out_ready()
             self._observe_finished(handed)   # (if the metrics fail, the outputs wait in the outbox)
@@ -319,7 +323,7 @@ class LLMEngine:
     def _finish_interrupted_step(self) -> None:
         """Bring a step that a fault cut short to an end: undone if it had not committed, else
         closed. Every part may be cut short too and run again: the engine calls this before
-        any step, add or abort, and whenever a step raises."""
+        and after any call that raises (``_exclusive``), and whenever a step raises."""
         sched, runner = self.scheduler, self.model_runner
         if sched.journal.recording or (runner.step_is_open and sched.num_steps == self._open_step):
             # Not committed (or its rollback was cut short). The K/V slots it wrote stay noted in
