@@ -230,3 +230,33 @@ def test_a_sigint_at_every_line_of_the_commit_and_the_hand_out_loses_nothing():
             returned[out.request_id] = [c.token_ids for c in out.outputs]
     assert interrupted > 0
     assert [returned[i] for i in ids] == expected
+
+
+def test_a_fault_at_any_line_of_a_beam_search_leaves_every_block_free():
+    """Beam search (chapter 08) at every 40th line of its run, an exception there: afterwards no
+    block is held (its release runs even when a fault hits the release itself), and the next
+    search finds the same hypotheses."""
+    from course_pkg.sampling_params import BeamSearchParams
+
+    llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=40)
+    params = BeamSearchParams(beam_width=3, max_tokens=5)
+    want = [h.tokens for h in llm.beam_search([PROMPTS[2]], params)[0].sequences]
+    counter = LineFault()   # (counted on a second search: the first one also makes classes)
+    sys.settrace(counter)
+    try:
+        llm.beam_search([PROMPTS[2]], params)
+    finally:
+        sys.settrace(None)
+    for at in range(1, counter.lines, 40):
+        tracer = LineFault(at)
+        sys.settrace(tracer)
+        try:
+            llm.beam_search([PROMPTS[2]], params)
+        except RuntimeError as e:
+            assert "injected" in str(e)
+        finally:
+            sys.settrace(None)
+        assert tracer.fired
+        check_invariants(llm.block_manager, [])
+        assert not llm.live_beams and not llm.scheduler.journal.recording, tracer.where
+    assert [h.tokens for h in llm.beam_search([PROMPTS[2]], params)[0].sequences] == want

@@ -67,14 +67,19 @@ def beam_search_one(engine, prompt_token_ids: list[int], params: BeamSearchParam
 
     ``cache_salt`` (chapter 12) keys the prompt's blocks; every beam, a fork, inherits it.
     ``on_step(BeamStep, beams)`` is called after each step with the live beams (for the
-    chapter's drawings). Every block is released before returning, also on an exception.
+    chapter's drawings). Every block is released before returning, also on an exception: the
+    live beams are listed, inside each step's transaction, in ``engine.live_beams``, which the
+    engine releases at the end and after any fault (``LLMEngine._finish_interrupted_step``), a
+    fault on a line of the release itself included.
     """
     bm, runner = engine.block_manager, engine.model_runner
+    live = engine.live_beams
     eos = frozenset() if params.ignore_eos else engine.scheduler.eos_token_ids
     sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
     root = Sequence(prompt_token_ids, sampling, block_size=engine.block_size, cache_salt=cache_salt)
     with transaction(bm, root):
         bm.allocate(root, bm.can_allocate(root))
+        live[:] = [root]
     root.num_scheduled_tokens = root.num_tokens - root.num_cached_tokens
     beams, scores = [root], [0.0]
     finished: list[BeamSearchSequence] = []
@@ -92,6 +97,7 @@ def beam_search_one(engine, prompt_token_ids: list[int], params: BeamSearchParam
                                                                   beams, finished)
                 if not stop:
                     next_beams, next_scores, record = _next_beams(bm, runner, beams, running)
+                    live[:] = next_beams
             finished = finished_now
             if stop:
                 break
@@ -99,8 +105,8 @@ def beam_search_one(engine, prompt_token_ids: list[int], params: BeamSearchParam
             if on_step is not None:
                 on_step(BeamStep(step=step, kept=record["kept"], pruned=record["pruned"],
                                  finished=tuple(ended), copies=record["copies"]), beams)
-    finally:
-        _release(bm, beams)
+    finally:   # (undoes a step a fault left open, then releases every beam)
+        engine._finish_interrupted_step()
     if engine.tokenizer is not None:
         n = len(prompt_token_ids)
         for h in finished:
@@ -122,24 +128,6 @@ def _search_transaction(engine, beams: list[Sequence]):
         engine.block_manager.forget_overwritten(runner.written_slots())   # (a beam only writes past its own K/V)
         runner.abort_step()
         raise
-
-
-def _release(bm, beams: list[Sequence]) -> None:
-    """Release every beam's blocks, each release a transaction of its own: one that raises is
-    undone and tried again once the others are released; the first error is re-raised then."""
-    pending, error = [b for b in beams if b.block_table], None
-    for _ in range(2):
-        failed = []
-        for beam in pending:
-            try:
-                with transaction(bm, beam):
-                    bm.deallocate(beam)
-            except BaseException as e:
-                failed.append(beam)
-                error = error or e
-        pending = failed
-    if error is not None:
-        raise error
 
 
 def _search_step(params: BeamSearchParams, step: int, eos, logprobs: torch.Tensor, scores: list[float],

@@ -115,6 +115,7 @@ class LLMEngine:
         self._requests: dict[int, _Request] = journal.adopt({})   # every request not yet handed out
         self._ready: list[int] = journal.adopt([])                # requests whose every completion finished
         self._outbox: dict[int, RequestOutput] = journal.adopt({})   # outputs built, not yet returned
+        self.live_beams: list[Sequence] = journal.adopt([])       # the beams of a beam search running
         self._open_step: int | None = None                        # see _finish_interrupted_step
         self._lock = threading.RLock()
         self.prometheus = PrometheusMetrics(Path(model).name if model is not None else "course-tiny",
@@ -332,6 +333,8 @@ class LLMEngine:
             runner.abort_step()
         else:
             runner.end_step()   # committed (or nothing was open)
+        if self.live_beams:     # a beam search that a fault ended (chapter 08)
+            self._release_beams()
 
     def _core_outputs(self, out: SchedulerOutput, result: ModelRunnerOutput,
                       finished: list[Sequence]) -> dict[int, EngineCoreOutput]:
@@ -377,6 +380,16 @@ class LLMEngine:
             req.metrics.record_token(now, out.step)
             self.prometheus.observe_token(req.metrics.time_to_first_token if first else None,
                                           None if first else req.metrics.inter_token_latencies[-1])
+
+    def _release_beams(self) -> None:
+        """Release the blocks of the beams a beam search left (chapter 08), each in a transaction
+        of its own, then forget them; what is released already is skipped, so it may run again."""
+        bm = self.block_manager
+        for beam in list(self.live_beams):
+            if bm._holders.get(beam.seq_id) is beam:   # (the manager's own record of who holds blocks)
+                with transaction(bm, beam):
+                    bm.deallocate(beam)
+        self.live_beams.clear()
 
     def _mark_ready(self, finished: list[Sequence]) -> list[int]:
         """Note the requests whose every completion has finished; returns their ids."""
