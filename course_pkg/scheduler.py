@@ -182,7 +182,8 @@ class Scheduler:
                  block_manager: BlockManager | None = None,
                  scheduling: str | AdmissionPolicy = "prefill_first",
                  preemption_mode: str | PreemptionPolicy = "recompute", num_cpu_blocks: int | None = None,
-                 same_step_prefix_hits: bool = False, num_lookahead_tokens: int = 0, proposer=None):
+                 same_step_prefix_hits: bool = False, num_lookahead_tokens: int = 0, proposer=None,
+                 transactional: bool = True):
         """``block_manager``: an existing manager to schedule over (the engine's, built with its
         ``free_queue``; or a course foil such as ``foils.ForwardReleaseBlockManager``), instead of
         a new ``BlockManager(num_kvcache_blocks, block_size, enable_prefix_caching)``. Its pool
@@ -196,6 +197,10 @@ class Scheduler:
         and step (speculative decoding, chapter 14; 0: none). ``proposer``: a torch-free one
         (``NgramProposer``) that the scheduler runs itself, so that it takes slots only for
         drafts that exist; None: the model runner proposes into the slots.
+
+        ``transactional=False``: the journal enrols nothing, so a step that raises is not undone
+        -- for a simulation that runs no model (``workloads.harness.simulate``), where the
+        journal would only double the time of every step.
 
         The keyword defaults are for a Scheduler used on its own (chapters 03-09 and the
         tests); ``LLMEngine`` passes every one of them from its ``EngineConfig``, where the
@@ -241,8 +246,9 @@ class Scheduler:
         self.num_steps = 0
         # The step's transaction: from here on, every change to this scheduler and what it holds
         # (the block manager, its blocks, the CPU pool, the sequences) is journaled by itself.
-        self.journal = Journal(follow=STEP_STATE)
-        self.journal.adopt(self)
+        check_bool("transactional", transactional)
+        self.journal = Journal(follow=STEP_STATE if transactional else ())
+        self.journal.adopt(self)   # (with nothing followed: enrols nothing)
 
     @property
     def scheduling(self) -> str:

@@ -226,3 +226,21 @@ def test_forward_release_misuse_raises_and_changes_nothing():
     assert list(bm.free_block_ids) == [0, 1, 2, 3] and seq.block_table == []
     with pytest.raises(ValueError, match="release"):
         make_block_manager(4, 2, release="sideways")
+
+
+def test_a_simulation_without_the_journal_decides_exactly_what_a_journaled_one_does():
+    """``simulate`` runs its Scheduler with ``transactional=False`` (nothing enrolled: the journal
+    only cost time there); the steps, hits and preemptions are those of a journaled Scheduler."""
+    from course_pkg.undo import journal_of
+    from course_pkg.workloads.harness import make_block_manager, simulate
+    from course_pkg.workloads.requests import shared_prefix_workload
+
+    requests = shared_prefix_workload(60, num_prefixes=3, prefix_len=40, suffix_len=(4, 12), output_len=(4, 24),
+                                      seed=5)
+    plain = Scheduler(8, 4, transactional=False)
+    assert journal_of(plain) is None and journal_of(plain.block_manager) is None
+    bm = make_block_manager(48, 4, release="reversed", free_queue="deque", enable_prefix_caching=True)
+    journaled = WorkloadRun(requests, Scheduler(48, 4, block_manager=bm, max_num_seqs=32,
+                                                max_num_batched_tokens=4096)).run()
+    assert journal_of(bm) is not None
+    assert simulate(requests, 48, 4) == journaled

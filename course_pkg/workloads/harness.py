@@ -170,5 +170,5 @@ def simulate(requests: list[Request], num_blocks: int, block_size: int = 16, *,
     bm = make_block_manager(num_blocks, block_size, release=release, free_queue=free_queue,
                             enable_prefix_caching=enable_prefix_caching)
     scheduler = Scheduler(num_blocks, block_size, block_manager=bm, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens)
+                          max_num_batched_tokens=max_num_batched_tokens, transactional=False)   # no model: no fault to undo
     return WorkloadRun(requests, scheduler).run()
