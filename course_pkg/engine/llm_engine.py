@@ -106,7 +106,8 @@ class LLMEngine:
             same_step_prefix_hits=cfg.same_step_prefix_hits,
             num_lookahead_tokens=spec.num_speculative_tokens if spec is not None else 0,
             # torch-free (n-gram): the scheduler proposes before it takes slots
-            proposer=proposer if spec is not None and spec.method == "ngram" else None)
+            proposer=proposer if spec is not None and spec.method == "ngram" else None,
+            transactional=True)   # every step undone exactly if it raises (ARCHITECTURE.md, "The journal")
         self.block_size = cfg.block_size
         self.last_step: StepInfo | None = None
         # The engine's own records, journaled with the scheduler's state (undo.py): a step,
