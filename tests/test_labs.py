@@ -256,7 +256,11 @@ def test_cli_lists_every_lab_and_grades_a_file(tmp_path):
 # The command line grades in a child process it can kill: a file that exits, crashes, loops, swallows
 # the timeout or patches the grader fails, with a message, within its limits. (Short limits keep these fast.)
 _SEQ = "from course_pkg.sequence import Sequence\n"
-_METHOD = _SEQ + "class StudentSequence(Sequence):\n    @property\n    def num_blocks(self):\n"
+_METHOD = _SEQ + ("class StudentSequence(Sequence):\n"          # right but for num_blocks, written last
+                  "    def block(self, i):\n        if not 0 <= i < -(-self.num_tokens // self.block_size):\n"
+                  "            raise IndexError(i)\n        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]\n"
+                  "    @property\n    def last_block_num_tokens(self):\n        return (self.num_tokens - 1) % self.block_size + 1\n"
+                  "    @property\n    def num_blocks(self):\n")
 CLI_CASES = {
     "sys.exit(0) at import": (_SEQ + "class StudentSequence(Sequence): pass\nimport sys\nsys.exit(0)\n",
                               "importing case.py raised SystemExit: 0 (line 4 of case.py); a file to grade must not exit"),
@@ -312,8 +316,7 @@ def test_cli_patching_lockstep_fails_and_json_has_one_record_per_scenario(tmp_pa
                     "        self.ref_count = 0\n")
     patched = _cli("block_reset", str(path))
     assert patched.returncode == 1 and "course_pkg.labs.lockstep.Lockstep.compare was replaced" in patched.stdout
-    path.write_text("from course_pkg.sequence import Sequence\nclass StudentSequence(Sequence):\n"
-                    "    @property\n    def num_blocks(self):\n        return self.num_tokens // self.block_size + 1\n")
+    path.write_text(_METHOD + "        return self.num_tokens // self.block_size + 1\n")
     result = _cli("logical_blocks", str(path), "--json")
     assert result.returncode == 1, result.stdout + result.stderr
     report = json.loads(result.stdout)
@@ -324,10 +327,10 @@ def test_cli_patching_lockstep_fails_and_json_has_one_record_per_scenario(tmp_pa
                                                    "message": "num_blocks: expected 1, got 2",
                                                    "seconds": by_name["16 tokens, block size 16"]["seconds"]}
     assert by_name["1 token, block size 16"]["passed"] is True     # 1 // 16 + 1 == 1: right by chance
-    path.write_text("from course_pkg.sequence import Sequence as StudentSequence\n")
+    path.write_text(_METHOD + "        return -(-self.num_tokens // self.block_size)\n")
     good = _cli("logical_blocks", str(path), "--json")
     assert good.returncode == 0 and json.loads(good.stdout)["verdict"] == "PASSED", good.stdout
-    assert all(r["passed"] for r in json.loads(good.stdout)["scenarios"])
+    assert len(json.loads(good.stdout)["scenarios"]) == 9 and all(r["passed"] for r in json.loads(good.stdout)["scenarios"])
 
 
 def test_the_childs_watch_flags_replacements_and_shadowing_not_new_names():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -32,6 +33,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -39,7 +41,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from course_pkg.labs import authorship
 from course_pkg.labs.lab import Grading, Lab, resolve
+
+#: Given as the file to grade, the child grades the package's own implementation.
+REFERENCE = ":reference:"
 
 #: Seconds the child may take to start and load the grader (before the student's file runs).
 SETUP_LIMIT = 120.0
@@ -81,6 +87,7 @@ class FileReport:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     output: list[str] = field(default_factory=list)      # the last lines the child printed
+    checks: dict[str, tuple[int, str]] = field(default_factory=dict)   # scenario -> (checks made, digest)
     finished: bool = False                              # the grader ran to its end
 
     @property
@@ -139,17 +146,28 @@ class _OutputTail(threading.Thread):
 
 def grade_file(lab: Lab, path: Path, attribute: str, *, import_limit: float = IMPORT_LIMIT,
                scenario_limit: float = SCENARIO_LIMIT) -> FileReport:
-    """Grade ``attribute`` of the Python file ``path`` on ``lab`` in a child process."""
-    report = FileReport(lab.name, str(path))
+    """Grade ``attribute`` of the Python file ``path`` on ``lab`` in a child process, in a fresh
+    temporary directory; then confirm each passed scenario against the package's own run."""
+    with tempfile.TemporaryDirectory(prefix="course-lab-") as work:
+        report = _run_child(lab, str(Path(path).resolve()), attribute, Path(work), import_limit, scenario_limit)
+    report.file = str(path)
+    if any(r.passed for r in report.records):
+        _confirm(report, reference_checks(lab))
+    return report
+
+
+def _run_child(lab: Lab, path: str, attribute: str, work: Path, import_limit: float,
+               scenario_limit: float) -> FileReport:
+    report = FileReport(lab.name, path)
     token = secrets.token_hex(16)
     read_fd, write_fd = os.pipe()
     package_root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONUNBUFFERED="1",
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONHASHSEED="0",
                PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
     command = [sys.executable, "-c", "import sys; from course_pkg.labs.isolation import child_main; "
-               "child_main(sys.argv[1:])", lab.name, str(path), attribute, str(write_fd), repr(scenario_limit)]
+               "child_main(sys.argv[1:])", lab.name, path, attribute, str(write_fd), repr(scenario_limit)]
     child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             pass_fds=(write_fd,), start_new_session=True, env=env)
+                             pass_fds=(write_fd,), start_new_session=True, env=env, cwd=work)
     os.close(write_fd)
     output = _OutputTail(child.stdout)
     try:
@@ -158,7 +176,7 @@ def grade_file(lab: Lab, path: Path, attribute: str, *, import_limit: float = IM
     except BrokenPipeError:
         pass
     try:
-        _follow(child, read_fd, token, report, path.name, import_limit, scenario_limit)
+        _follow(child, read_fd, token, report, Path(path).name, import_limit, scenario_limit)
     except KeyboardInterrupt:
         report.problems.append("interrupted from the keyboard; the grading process was stopped")
         raise
@@ -168,6 +186,71 @@ def grade_file(lab: Lab, path: Path, attribute: str, *, import_limit: float = IM
         output.join(timeout=2)
         report.output = list(output.lines)
     return report
+
+
+# ---------------------------------------------------------------- the package's own run, to confirm with
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "course_pkg" / "lab-references"
+
+
+def _package_digest() -> str:
+    """A digest of every source file of the package (and of the Python running it)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256(sys.version.encode())
+    for file in sorted(root.rglob("*.py")):
+        h.update(str(file.relative_to(root)).encode() + b"\0" + file.read_bytes())
+    return h.hexdigest()[:20]
+
+
+def reference_checks(lab: Lab) -> list[tuple[str, int, str]] | str:
+    """(scenario, checks made, digest of their kinds) for the package's own implementation of
+    ``lab``, graded by the same child: computed once per version of the package and cached. A
+    string if that run did not pass (then nothing can be confirmed)."""
+    cache = _cache_dir() / f"{lab.name}-{_package_digest()}.json"
+    try:
+        return [tuple(entry) for entry in json.loads(cache.read_text())]
+    except (OSError, ValueError):
+        pass
+    with tempfile.TemporaryDirectory(prefix="course-lab-") as work:
+        report = _run_child(lab, REFERENCE, "", Path(work), IMPORT_LIMIT, 4 * SCENARIO_LIMIT)
+    if not report.passed:
+        return f"the package's own run of lab {lab.name} did not pass ({report}); nothing could be confirmed"
+    entries = [(r.name, *report.checks[r.name]) for r in report.records]
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(entries))
+        os.replace(partial, cache)
+    except OSError:
+        pass                                   # no cache: the next grading runs it again
+    return entries
+
+
+def _confirm(report: FileReport, reference: list[tuple[str, int, str]] | str) -> None:
+    """A scenario passes only if it made the checks the package's own run of it made.
+
+    The child reports each scenario's checks (how many, and a digest of their kinds in order);
+    graded code that silences a failed check, or reports a scenario the grader never ran,
+    gives other checks than the reference's run, which the graded code cannot see."""
+    if isinstance(reference, str):
+        report.problems.append(reference)
+        return
+    expected = {name: (checks, digest) for name, checks, digest in reference}
+    for record in report.records:
+        if not record.passed:
+            continue
+        if record.name not in expected:
+            record.passed, record.message = False, ("the package's own run of this lab has no scenario of this name: "
+                                                    "the graded code reported it")
+        elif report.checks.get(record.name) != expected[record.name]:
+            record.passed, record.message = False, ("reported as passed, but the checks it made are not those "
+                                                    "the package's own run of it makes: the graded code changed "
+                                                    "the grading")
+    names = [r.name for r in report.records]
+    if report.finished and names != [name for name, _, _ in reference]:
+        report.problems.append(f"the grader ran {len(names)} scenarios, the package's own run "
+                               f"{len(reference)}: the graded code changed the grading")
 
 
 def _kill(child: subprocess.Popen) -> None:
@@ -286,6 +369,7 @@ class _Follower:
             self.deadline = now + self.step_limit
         elif event == "end" and phase == "scenario" and message["scenario"] == self.current:
             self._add_record(message["failure"] is None, message["failure"], message["seconds"])
+            self.report.checks[self.current] = (message["checks"], message["digest"])
             self.phase, self.deadline = "between", now + self.step_limit
         elif event == "done" and phase == "between":
             self.report.notes = list(message["notes"])
@@ -297,6 +381,9 @@ class _Follower:
         elif event == "tampered" and phase == "scenario":
             self._add_record(False, message["message"])
             return self._stop(f"grading stopped in scenario {self.current!r}: the graded code changed the grader")
+        elif event == "borrowed" and phase == "import":
+            self.report.problems += [str(p) for p in message["problems"]]
+            return True
         elif event in ("import_failed", "missing", "tampered", "grader_error", "stopped"):
             return self._stop(message["message"])
         else:
@@ -337,8 +424,23 @@ class ChildGrading(Grading):
         super().__init__(time_limit)
         self._channel, self._changes = channel, changes
         self._timeouts = 0
+        self._checks: list[str] = []         # this scenario's checks, in order: "e" equal, "c" check, "f" fail
+        self._digest = hashlib.sha256
+
+    def equal(self, got, expected, what: str) -> None:
+        self._checks.append("e")
+        super().equal(got, expected, what)
+
+    def check(self, condition: bool, what: str) -> None:
+        self._checks.append("c")
+        super().check(condition, what)
+
+    def fail(self, what: str):
+        self._checks.append("f")
+        return super().fail(what)
 
     def started(self, name: str) -> None:
+        self._checks = []
         self._channel.send("start", scenario=name)
 
     def ended(self, name: str, failure: str | None, seconds: float) -> None:
@@ -346,8 +448,9 @@ class ChildGrading(Grading):
         if changed:
             self._channel.send("tampered", message=_tamper_message(changed))
             raise _Stop
+        checks = "".join(self._checks)
         self._channel.send("end", scenario=name, failure=None if failure is None else failure[len(name) + 2:],
-                           seconds=seconds)
+                           seconds=seconds, checks=len(checks), digest=self._digest(checks.encode()).hexdigest())
         if failure is not None and failure.startswith(f"{name}: raised ScenarioTimeout"):
             self._timeouts += 1
             if self._timeouts == MAX_TIMEOUTS:
@@ -449,11 +552,13 @@ def _watch():
     return changes
 
 
-def _load_module(path: Path):
+def _load_module(path: Path, set_globals=None):
     spec = importlib.util.spec_from_file_location(f"student_{path.stem}", path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {path} as a Python file")
     module = importlib.util.module_from_spec(spec)
+    if set_globals is not None:
+        set_globals(vars(module))
     sys.modules[spec.name] = module          # dataclasses and pickling look it up there
     spec.loader.exec_module(module)
     return module
@@ -469,7 +574,9 @@ def _finish() -> None:
 
 
 def child_main(argv: list[str]) -> None:
-    """The child: load the grader, import the file, grade, report each step (see the module doc)."""
+    """The child: load the grader, import the file, grade, report each step (see the module doc).
+    Given ``REFERENCE`` for the file, it grades the package's own implementation instead (the
+    parent's run to compare with)."""
     from course_pkg.labs.registry import LABS
 
     lab_name, path, attribute, fd, scenario_limit = argv
@@ -481,11 +588,19 @@ def child_main(argv: list[str]) -> None:
     grader = resolve(lab.grader_path)     # first: a kernel lab switches Triton to its interpreter
     for name in _modules_of_lab(lab):
         importlib.import_module(name)
+    if path == REFERENCE:
+        changes = _watch()
+        channel.send("ready")
+        channel.send("imported")
+        _grade(grader, lab.reference, channel, changes, scenario_limit)
+    path = Path(path).resolve()
+    from_graded_file = authorship.graded_file_detector(path)
+    protected = authorship.install_guards(authorship.written_parts(lab), from_graded_file)
+    authorship.install_audit_hook(Path(__file__).resolve().parents[1], Path.cwd(), from_graded_file)
     changes = _watch()
     channel.send("ready")
-    path = Path(path)
     try:
-        module = _load_module(path)
+        module = _load_module(path, from_graded_file.set_globals)
     except BaseException as e:  # noqa: BLE001 -- SystemExit and KeyboardInterrupt too
         where = traceback.extract_tb(e.__traceback__)[-1:]
         line = f" (line {where[0].lineno} of {Path(where[0].filename).name})" if where else ""
@@ -502,10 +617,19 @@ def child_main(argv: list[str]) -> None:
     if not hasattr(module, attribute):
         channel.send("missing", message=f"{path.name} defines no {attribute!r} (name it so, or pass --name)")
         _finish()
+    graded = getattr(module, attribute)
+    borrowed = authorship.authorship_problems(lab, graded, protected)
+    if borrowed:
+        channel.send("borrowed", problems=borrowed)
+        _finish()
     channel.send("imported")
+    _grade(grader, graded, channel, changes, scenario_limit)
+
+
+def _grade(grader, graded, channel: _Channel, changes, scenario_limit: str) -> None:
     g = ChildGrading(channel, changes, float(scenario_limit))
     try:
-        grader(getattr(module, attribute), g)
+        grader(graded, g)
     except _Stop:
         _finish()
     except BaseException as e:  # noqa: BLE001 -- outside any scenario: the grading cannot go on

@@ -43,6 +43,7 @@ def manager_state(bm: BlockManager, seqs: dict[str, Sequence]) -> dict[str, obje
     for name, seq in seqs.items():
         state[f"block table of {name}"] = tuple(seq.block_table)
         state[f"num_cached_tokens of {name}"] = seq.num_cached_tokens
+        state[f"block_hashes of {name}"] = tuple(seq.block_hashes)
     return state
 
 

@@ -410,6 +410,17 @@ class InvertedGuardBlockManager(BlockManager):
             del self.hash_to_block_id[block.hash]
 
 
+class NewerIdEvictingBlockManager(BlockManager):
+    """The guard compares block ids by order instead of identity: it drops the entry when the
+    index points at this block *or a higher-numbered one*, so a newer entry held by a block with
+    a larger id is lost."""
+
+    def _maybe_evict_cached_block(self, block: Block) -> None:
+        target = self.hash_to_block_id.get(block.hash) if block.hash != -1 else None
+        if target is not None and target >= block.block_id:                # the bug: >= for ==
+            del self.hash_to_block_id[block.hash]
+
+
 class UnconditionalEvictBlockManager(BlockManager):
     """The stale-entry guard without its condition: drops the index entry of the block's hash
     even when the index points at *another* block with that hash (a still-valid entry)."""
@@ -448,6 +459,16 @@ class ForkWithoutCopyCheckBlockManager(BlockManager):
         child.block_hashes = list(parent.block_hashes)
 
 
+class ForkWithoutHashesBlockManager(BlockManager):
+    """``fork`` shares the blocks and raises their ref counts but leaves the child's
+    ``block_hashes`` empty: the child's next full block is then hashed as if it began the
+    sequence, and registers under a hash no other sequence's prefix can match."""
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        super().fork(parent, child)
+        child.block_hashes = []                            # the bug
+
+
 class NoCopyOnWriteBlockManager(BlockManager):
     """Never copies: a fork's new token is written into the last block its siblings still read."""
 
@@ -473,6 +494,16 @@ class SilentCopyBlockManager(BlockManager):
 
 
 # ---------------------------------------------------------------- chapter 06: the scheduler
+
+class UncountedPreemptScheduler(Scheduler):
+    """``preempt`` does everything but count: ``stats.num_preemptions`` stays 0, so the metrics
+    (and chapter 03's sweeps) report no preemption however many there were."""
+
+    def preempt(self, seq: Sequence, plan) -> None:
+        preemptions = self.stats.num_preemptions
+        super().preempt(seq, plan)
+        self.stats.num_preemptions = preemptions          # the bug
+
 
 class PreemptOldestScheduler(Scheduler):
     """Preempts the *oldest* sequence not yet scheduled in this step -- the one closest to
@@ -558,6 +589,13 @@ class WholePromptsOnlyMixedScheduler(Scheduler):
 
 # ---------------------------------------------------------------- chapter 07: arithmetic
 
+def kv_block_bytes_float(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                         dtype_bytes: int) -> float:
+    """The right number as a float (``/`` where ``*`` would do): ``torch.empty`` and a byte budget
+    need an int."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes / 1
+
+
 def kv_block_bytes_keys_only(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                              dtype_bytes: int) -> int:
     """Counts the keys and forgets the values."""
@@ -584,6 +622,12 @@ def fragmentation_allocated_slots(num_tokens: list[int], block_size: int) -> int
 def fragmentation_modulo(num_tokens: list[int], block_size: int) -> int:
     """``block_size - n % block_size`` per sequence: a full last block counted as empty."""
     return sum(block_size - n % block_size for n in num_tokens)
+
+
+def fragmentation_one_block_at_least(num_tokens: list[int], block_size: int) -> int:
+    """Gives every sequence at least one block: a sequence with no tokens yet counts
+    ``block_size`` empty slots, though it holds no block at all."""
+    return sum(max(1, -(-n // block_size)) * block_size - n for n in num_tokens)
 
 
 # ---------------------------------------------------------------- chapter 09: the CPU block pool

@@ -17,7 +17,10 @@ def grade_kv_block_bytes(fn, g: Grading) -> None:
     ]
     for name, args, expected in cases:
         with g.scenario(name):
-            g.equal(fn(*args), expected, f"kv_block_bytes{args}")
+            got = fn(*args)
+            g.equal(got, expected, f"kv_block_bytes{args}")
+            g.check(type(got) is int, f"kv_block_bytes{args} returned {got!r}, a {type(got).__name__}: a number "
+                                      "of bytes is an int (torch.empty and a byte budget need one)")
     with g.scenario("what the ModelRunner allocates per block (3 layers, 2 KV heads of 8, float32, block size 5)"):
         actual = _model_runner_block_bytes(num_layers=3, num_kv_heads=2, head_dim=8, block_size=5)
         g.equal(fn(5, 3, 2, 8, 4), actual, "kv_block_bytes(5, 3, 2, 8, 4) vs bytes of one block of the KV tensor")
@@ -48,6 +51,7 @@ def grade_internal_fragmentation(fn, g: Grading) -> None:
         ("block size 7: 0 + 0 + 6", ([7, 14, 15], 7), 6),
         ("block size 1 never wastes a slot", ([3, 1, 10], 1), 0),
         ("no sequences", ([], 16), 0),
+        ("a sequence with no tokens yet holds no block: 0 + 3", ([0, 5], 4), 3),
     ]
     for name, (tokens, bs), expected in cases:
         with g.scenario(name):

@@ -147,26 +147,37 @@ def grade_stale_entry_guard(impl, g: Grading) -> None:
         g.equal(lock.call("can_allocate", "B"), 1, "can_allocate(B): [1, 2] is cached, but [3, 4] after "
                                                    "[1, 2] is not (block 1 holds it after [5..8])")
         lock.call("allocate", "B", 1)
-    with g.scenario("same-prefix sequences in one step keep the index entry (block size 2, pool 6)"):
-        lock = Lockstep(g, impl, 6, 2)
-        lock.seq("A", [1, 2, 3, 4, 5])
-        lock.seq("B", [1, 2, 3, 4, 5])
-        lock.call("allocate", "A", 0)                   # both admitted in the same step:
-        lock.call("allocate", "B", 0)                   # B cannot hit A's uncomputed blocks
-        lock.computed("A")
-        lock.computed("B")                              # duplicate blocks: one holds the entry
-        indexed = set(lock.ref.hash_to_block_id.values())
-        holder = "B" if indexed <= set(lock.ref_seqs["B"].block_table) else "A"
-        other = "A" if holder == "B" else "B"
-        lock.call("deallocate", other)                  # its blocks carry the hashes but no entry
-        lock.seq("X", [60, 61, 62, 63, 64])             # reuses exactly those three blocks
-        lock.call("allocate", "X", 0)
-        lock.expect("hash index (block ids)", tuple(sorted(lock.ref_seqs[holder].block_table[:2])),
-                    f"the entries point at {holder}'s blocks, which did not change")
-        lock.call("deallocate", "X")
-        lock.seq("C", [1, 2, 3, 4, 6])
-        g.equal(lock.call("can_allocate", "C"), 2, f"can_allocate(C): {holder}'s two blocks are cached")
-        lock.call("allocate", "C", 2)
+    # Two sequences with one prefix admitted in one step hold duplicate blocks; one of them holds
+    # the index entries (the newer ones). Reusing the other's blocks must keep those entries,
+    # whichever sequence registered first (lower or higher block ids) and whether the holder is
+    # still running or already freed (its blocks free, their content still cached).
+    for first in ("A", "B"):
+        for holder_state in ("running", "freed"):
+            name = (f"same-prefix sequences in one step keep the newer entry ({first} computed first, "
+                    f"its holder {holder_state}; block size 2, pool 6)")
+            with g.scenario(name):
+                lock = Lockstep(g, impl, 6, 2)
+                lock.seq("A", [1, 2, 3, 4, 5])
+                lock.seq("B", [1, 2, 3, 4, 5])
+                lock.call("allocate", "A", 0)               # both admitted in the same step:
+                lock.call("allocate", "B", 0)               # B cannot hit A's uncomputed blocks
+                lock.computed(first)
+                lock.computed("B" if first == "A" else "A")  # duplicate blocks: one holds the entry
+                indexed = set(lock.ref.hash_to_block_id.values())
+                holder = "B" if indexed <= set(lock.ref_seqs["B"].block_table) else "A"
+                other = "A" if holder == "B" else "B"
+                entries = tuple(sorted(lock.ref_seqs[holder].block_table[:2]))
+                lock.call("deallocate", other)              # its blocks carry the hashes but no entry
+                if holder_state == "freed":
+                    lock.call("deallocate", holder)         # freed after: the other's blocks go first
+                lock.seq("X", [60, 61, 62, 63, 64])         # reuses exactly the other's three blocks
+                lock.call("allocate", "X", 0)
+                lock.expect("hash index (block ids)", entries,
+                            f"the entries point at {holder}'s blocks, which did not change")
+                lock.call("deallocate", "X")
+                lock.seq("C", [1, 2, 3, 4, 6])
+                g.equal(lock.call("can_allocate", "C"), 2, f"can_allocate(C): {holder}'s two blocks are cached")
+                lock.call("allocate", "C", 2)
     for seed, bs in ((9, 2), (10, 1)):
         with g.scenario(f"200 random calls in lockstep (seed {seed}, block size {bs}, pool 8)"):
             random_trace(Lockstep(g, impl, 8, bs), seed, 200)

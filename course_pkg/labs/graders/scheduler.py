@@ -50,6 +50,7 @@ class _Side:
             "running": [self.name(q) for q in s.running],
             "block tables": {n: tuple(q.block_table) for n, q in self.seqs.items()},
             "statuses": {n: q.status.name for n, q in self.seqs.items()},
+            "preemptions counted (stats.num_preemptions)": s.stats.num_preemptions,
         }
 
     def tokens(self, out) -> list[list[int]]:
@@ -108,6 +109,8 @@ RULES = {
                     "token starts a block gets one (may_append); preemption frees them all",
     "statuses": "RUNNING once admitted (a chunked prompt too), PREEMPTED when preempted, FINISHED_* when done",
     "prefill step": "a step is a prefill step when it holds prompt tokens",
+    "preemptions counted (stats.num_preemptions)": "preempt adds one to stats.num_preemptions per preemption "
+                                                   "(the engine's metrics and chapter 03's sweeps read it)",
     "finished": "a sequence finishes at its max_tokens (or EOS), and releases its blocks",
 }
 

@@ -1,0 +1,256 @@
+"""Who wrote the graded code: the command line's child keeps the package's answer out of reach.
+
+A lab asks for the bodies of a few methods (or one function, or one kernel). The package holds
+its own version of each, and a file that inherits, re-exports, delegates to or copies the
+package's version would pass without a line written. In the grading child
+(``course_pkg.labs.isolation``), before the student's file is imported:
+
+* **the written parts are listed** (``written_parts``): the names the lab's stub defines,
+  looked up on the package's class (``can_append`` and ``may_append`` on ``BlockManager`` for
+  ``append``), or the package's function or kernel itself;
+* **each is guarded** (``install_guards``): the package's method is replaced, on its class, by
+  one that runs it as before when the grader or the package calls it, and raises
+  ``ReferenceUnavailable`` when code of the graded file is on the call stack (``super()``, a
+  call through the class, an instance of the package's class held by the file);
+* **its source is unreadable** (``install_audit_hook``): while code of the graded file runs,
+  opening a source or bytecode file of a loaded package module raises ``PermissionError``
+  (``inspect.getsource``, ``open``, ``importlib.reload``, a loader: they all open the file, and
+  ``linecache`` gives the graded code none of its lines),
+  and so do writing outside the child's own temporary directory and starting a process.
+
+After the import, ``authorship_problems`` looks at the graded object without running it: a
+written part that is still the package's (inherited, assigned from the package, re-exported)
+fails the file before any scenario runs, with the name of the part.
+
+This is a classroom's honesty check, not a security boundary: code in one process can reach
+anything in it (the unguarded functions through the closures of the guards, say).
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+from course_pkg.labs.lab import Lab
+
+#: Names every class body defines: never a part the student writes.
+_CLASS_BOOKKEEPING = {"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__",
+                      "__firstlineno__", "__static_attributes__"}
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+#: Audit events that change the file system at a path (the first argument), and those that start
+#: a process.
+_PATH_EVENTS = {"os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "os.chmod", "os.chown", "os.truncate",
+                "os.utime", "os.rename", "os.symlink", "os.link", "shutil.copyfile", "shutil.move"}
+_PROCESS_EVENTS = {"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
+                   "os.forkpty", "pty.spawn"}
+
+
+class ReferenceUnavailable(RuntimeError):
+    """Raised when the graded file calls the package's own version of what it was asked to write."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One thing the student writes: attribute ``name`` of ``owner`` (a class or a module)."""
+
+    owner: object
+    name: str
+    label: str                      # "BlockManager.can_append", "kv_block_bytes"
+
+
+def code_of(value):
+    """The code object behind a function, method, property or Triton kernel (None otherwise)."""
+    for get in (lambda v: v.__code__, lambda v: v.__func__.__code__, lambda v: v.fget.__code__,
+                lambda v: v.fn.__code__):
+        try:
+            code = get(value)
+        except AttributeError:
+            continue
+        if isinstance(code, types.CodeType):
+            return code
+    return None
+
+
+def _class_parts(stub: type, reference: type):
+    for name, value in vars(stub).items():
+        if name in _CLASS_BOOKKEEPING:
+            continue
+        if isinstance(value, type):             # a nested class (tensor_parallel's three layers)
+            yield from _class_parts(value, getattr(reference, name))
+            continue
+        owner = next((k for k in reference.__mro__ if name in vars(k) and k is not object), None)
+        if owner is not None:
+            yield Part(owner, name, f"{owner.__qualname__}.{name}")
+
+
+def written_parts(lab: Lab) -> list[Part]:
+    """The package's versions of what lab ``lab`` asks for."""
+    stub, reference = lab.stub, lab.reference
+    if isinstance(stub, type):
+        return list(_class_parts(stub, reference))
+    parts = []
+    for path in dict.fromkeys((lab.reference_path, *lab.solution_paths)):
+        module_name, _, attr = path.partition(":")
+        if "." not in attr:                      # a module-level function or kernel
+            parts.append(Part(sys.modules[module_name], attr, attr))
+    return parts
+
+
+def _stub_names(stub: type):
+    """(name, nested names or None) for each part a class stub defines."""
+    for name, value in vars(stub).items():
+        if name not in _CLASS_BOOKKEEPING:
+            yield name, (value if isinstance(value, type) else None)
+
+
+# ---------------------------------------------------------------- the guards
+
+def _guard(fn, label: str, from_graded_file):
+    def guarded(*args, **kwargs):
+        if from_graded_file(sys._getframe(1)):
+            raise ReferenceUnavailable(
+                f"the graded code called the package's own {label}, which is what this lab asks you to "
+                "write: grading needs your code (no super(), no call through the package's class)")
+        return fn(*args, **kwargs)
+
+    guarded.__name__, guarded.__qualname__ = fn.__name__, fn.__qualname__
+    guarded.__doc__, guarded.__module__ = fn.__doc__, fn.__module__
+    return guarded
+
+
+_GUARD_CODE = _guard(lambda: None, "", None).__code__       # every guard runs this code
+
+
+def install_guards(parts: list[Part], from_graded_file) -> set:
+    """Guard each part in place; return the code objects a graded object must not be made of."""
+    protected = set()
+    for part in parts:
+        value = inspect.getattr_static(part.owner, part.name)
+        code = code_of(value)
+        if code is not None:
+            protected.add(code)
+        if isinstance(value, types.FunctionType):
+            setattr(part.owner, part.name, _guard(value, part.label, from_graded_file))
+        elif isinstance(value, property) and value.fget is not None:
+            setattr(part.owner, part.name, property(_guard(value.fget, part.label, from_graded_file),
+                                                    value.fset, value.fdel, value.__doc__))
+        # A Triton kernel is left as it is: the static check below still refuses it re-exported.
+    protected.add(_GUARD_CODE)
+    return protected
+
+
+def authorship_problems(lab: Lab, graded, protected: set) -> list[str]:
+    """What in ``graded`` is the package's own code rather than the student's (by looking only)."""
+    shown = getattr(graded, "__qualname__", None) or getattr(getattr(graded, "fn", None), "__qualname__", repr(graded))
+    if graded is lab.reference or code_of(graded) in protected:
+        return [f"{shown} is the package's own {lab.reference_path.partition(':')[2]}, not code of the graded "
+                "file (re-exported or assigned): grading needs your own code"]
+    stub = lab.stub
+    if not (isinstance(stub, type) and isinstance(graded, type)):
+        return []
+    return list(_class_problems(stub, graded, shown, protected))
+
+
+def _class_problems(stub: type, graded: type, shown: str, protected: set):
+    for name, nested in _stub_names(stub):
+        try:
+            value = inspect.getattr_static(graded, name)
+        except AttributeError:
+            yield f"{shown} has no {name!r}"
+            continue
+        if nested is not None:
+            if isinstance(value, type):
+                yield from _class_problems(nested, value, f"{shown}.{name}", protected)
+            continue
+        if code_of(value) in protected:
+            where = next((k.__qualname__ for k in graded.__mro__ if name in vars(k)), "?")
+            yield (f"{shown}.{name} is the package's own {where}.{name} (inherited, assigned or re-exported), "
+                   "not code of the graded file: write it in your class")
+
+
+# ---------------------------------------------------------------- the audit hook
+
+def install_audit_hook(package_dir: Path, work_dir: Path, from_graded_file) -> None:
+    """While code of the graded file is on the stack: no reading a loaded package module's source
+    or bytecode, no writing outside ``work_dir``, no new process. (Audit hooks cannot be removed.)"""
+    package_dir, work_dir = os.path.realpath(package_dir), os.path.realpath(work_dir)
+    allowed_writes = (work_dir + os.sep, os.devnull)
+
+    def loaded_module_file(path: str) -> bool:
+        if not path.startswith(package_dir + os.sep):
+            return False
+        if "__pycache__" in path:
+            try:
+                import importlib.util
+                path = importlib.util.source_from_cache(path)
+            except ValueError:
+                return True
+        return any(getattr(m, "__file__", None) and os.path.realpath(m.__file__) == path
+                   for name, m in list(sys.modules.items()) if name.startswith("course_pkg"))
+
+    def hook(event: str, args) -> None:
+        if event == "open":
+            path = args[0]
+            if isinstance(path, int) or path is None:
+                return
+            mode, flags = (args + (None, 0))[1:3]
+            writing = bool(mode and any(c in mode for c in "wax+")) or bool((flags or 0) & _WRITE_FLAGS)
+            if not from_graded_file(sys._getframe(1)):
+                return
+            real = os.path.realpath(os.fsdecode(path))
+            if writing and not (real.startswith(allowed_writes[0]) or real == allowed_writes[1]):
+                raise PermissionError(f"the graded code may write only inside its working directory "
+                                      f"{work_dir}; it opened {real} for writing")
+            if not writing and loaded_module_file(real):
+                raise PermissionError(f"the package's source is not readable by the graded code ({real}): "
+                                      "write your solution yourself")
+        elif event in _PATH_EVENTS:
+            if not from_graded_file(sys._getframe(1)):
+                return
+            for path in args[:2]:
+                if isinstance(path, (str, bytes, os.PathLike)):
+                    real = os.path.realpath(os.fsdecode(path))
+                    if not real.startswith(allowed_writes[0]):
+                        raise PermissionError(f"the graded code may change files only inside its working "
+                                              f"directory {work_dir}; {event} on {real}")
+        elif event in _PROCESS_EVENTS and from_graded_file(sys._getframe(1)):
+            raise PermissionError(f"the graded code may not start processes ({event})")
+
+    sys.addaudithook(hook)
+
+    # inspect.getsource reads through linecache, which may hold a package file read earlier (by
+    # Triton, or a traceback): from the graded file's frames it finds nothing there either.
+    import linecache
+
+    getlines = linecache.getlines
+
+    def guarded_getlines(filename, module_globals=None):
+        if from_graded_file(sys._getframe(1)) and loaded_module_file(os.path.realpath(filename)):
+            return []
+        return getlines(filename, module_globals)
+
+    linecache.getlines = guarded_getlines
+
+
+def graded_file_detector(path: Path):
+    """A function of a frame: is code of the file at ``path`` (or run in its module) on the stack?
+    ``set_globals`` names the module's namespace once it exists."""
+    filename = str(path)
+    state = {"globals": None}
+
+    def from_graded_file(frame) -> bool:
+        graded_globals = state["globals"]
+        while frame is not None:
+            if frame.f_code.co_filename == filename or frame.f_globals is graded_globals:
+                return True
+            frame = frame.f_back
+        return False
+
+    def set_globals(namespace: dict) -> None:
+        state["globals"] = namespace
+
+    from_graded_file.set_globals = set_globals
+    return from_graded_file
