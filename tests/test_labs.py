@@ -333,6 +333,97 @@ def test_cli_patching_lockstep_fails_and_json_has_one_record_per_scenario(tmp_pa
     assert len(json.loads(good.stdout)["scenarios"]) == 9 and all(r["passed"] for r in json.loads(good.stdout)["scenarios"])
 
 
+# ------------------------------------------------------------------ authorship and a confirmed verdict
+
+def test_every_lab_knows_what_it_asks_for_and_refuses_the_packages_own():
+    """By looking only: the stub and the independent solutions are the student's code; the
+    reference, and for a class an empty subclass of it, are the package's, part by part."""
+    from course_pkg.labs.authorship import authorship_problems, protected_code, written_parts
+
+    solutions = {p.stem: _solution_from_file(p) for p in SOLUTION_FILES}
+    for lab in LABS.values():
+        parts = written_parts(lab)
+        assert parts, lab.name
+        protected = protected_code(parts)
+        assert authorship_problems(lab, lab.stub, protected) == [], lab.name
+        assert authorship_problems(lab, lab.reference, protected), lab.name
+        if lab.name in solutions:
+            assert authorship_problems(lab, solutions[lab.name], protected) == [], lab.name
+        if isinstance(lab.reference, type):
+            problems = authorship_problems(lab, type("Empty", (lab.reference,), {}), protected)
+            assert len(problems) == len(parts), (lab.name, problems)
+            assert all("is the package's own" in p for p in problems), problems
+
+
+_AUTHOR = _SEQ + "class StudentSequence(Sequence):\n"
+AUTHORSHIP_CASES = {
+    "a re-export": ("from course_pkg.sequence import Sequence as StudentSequence\n",
+                    "Sequence is the package's own Sequence, not code of the graded file"),
+    "an empty subclass": (_AUTHOR + "    pass\n", "StudentSequence.num_blocks is the package's own Sequence.num_blocks"),
+    "super()": (_METHOD + "        return super().num_blocks\n",
+                "1 token, block size 1: raised ReferenceUnavailable: the graded code called the package's own "
+                "Sequence.num_blocks"),
+    "a package instance held": (_METHOD + "        return Sequence(list(self.token_ids), block_size=self.block_size).num_blocks\n",
+                                "raised ReferenceUnavailable: the graded code called the package's own Sequence.num_blocks"),
+    "the source exec'd": ("import inspect\nimport course_pkg.sequence as m\nexec(inspect.getsource(m))\n",
+                          "importing case.py raised OSError: could not get source code"),
+    "the source read from disk": ("import course_pkg.sequence as m\nexec(open(m.__file__).read())\n",
+                                  "the package's source is not readable by the graded code"),
+    "a write beside itself": ("open(__file__ + '.out', 'w').write('x')\n" + _METHOD + "        return 0\n",
+                              "the graded code may write only inside its working directory"),
+    "a process started": ("import subprocess\nsubprocess.run(['true'])\n" + _METHOD + "        return 0\n",
+                          "the graded code may not start processes (subprocess.Popen)"),
+    "failures silenced through gc": (
+        "import gc\nclass Mute(list):\n    def append(self, x):\n        pass\n" + _METHOD
+        + "        for o in gc.get_objects():\n            if type(o).__name__ == 'ChildGrading':\n"
+          "                o.failures = Mute()\n        return 0\n",
+        "1 token, block size 1: reported as passed, but the checks it made are not those the package's own run "
+        "of it makes"),
+    "a forged report, then os._exit(0)": (
+        "import gc, os\n" + _METHOD
+        + "        ch = next(o for o in gc.get_objects() if type(o).__name__ == '_Channel')\n"
+          "        names = ['1 token, block size 1', '5 tokens, block size 1', '1 token, block size 16',\n"
+          "                 '16 tokens, block size 16', '17 tokens, block size 16', '14 tokens, block size 7',\n"
+          "                 '15 tokens, block size 7', '13 tokens, block size 7', 'growing by decode (block size 3)']\n"
+          "        for i, n in enumerate(names):\n"
+          "            if i:\n                ch.send('start', scenario=n)\n"
+          "            ch.send('end', scenario=n, failure=None, seconds=0.0, checks=3, digest='0' * 64)\n"
+          "        ch.send('done', scenarios=len(names), notes=[])\n        os._exit(0)\n",
+        "growing by decode (block size 3): reported as passed, but the checks it made are not those"),
+}
+
+
+@pytest.mark.parametrize("case", list(AUTHORSHIP_CASES))
+def test_cli_grades_only_the_files_own_code_and_confirms_every_pass(case, tmp_path):
+    source, message = AUTHORSHIP_CASES[case]
+    path = tmp_path / "case.py"
+    path.write_text(source)
+    result = _cli("logical_blocks", str(path))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout.startswith("lab logical_blocks: FAILED") and "PASSED" not in result.stdout, result.stdout
+    assert message in result.stdout, result.stdout
+    assert not (tmp_path / "case.py.out").exists()
+
+
+def test_cli_refuses_the_packages_kernel_under_the_stubs_name(tmp_path):
+    path = tmp_path / "kernel.py"
+    path.write_text("from course_pkg.kernels.triton_kernels import _store_kvcache_kernel as student_store_kvcache_kernel\n")
+    result = _cli("store_kvcache", str(path))
+    assert result.returncode == 1 and "is the package's own _store_kvcache_kernel" in result.stdout, result.stdout
+
+
+def test_cli_runs_the_file_in_a_temporary_directory_of_its_own(tmp_path):
+    path = tmp_path / "case.py"
+    path.write_text("import os\nopen('scratch.txt', 'w').write(os.getcwd())\nprint('cwd', os.getcwd())\n"
+                    + _METHOD + "        return -(-self.num_tokens // self.block_size)\n")
+    result = _cli("logical_blocks", str(path), "--json")
+    report = json.loads(result.stdout)
+    assert result.returncode == 0 and report["verdict"] == "PASSED", result.stdout
+    work = Path(report["output"][0].removeprefix("cwd "))
+    assert work.name.startswith("course-lab-") and not work.exists()      # written there, removed after
+    assert not (ROOT / "scratch.txt").exists() and not (tmp_path / "scratch.txt").exists()
+
+
 def test_the_childs_watch_flags_replacements_and_shadowing_not_new_names():
     """What the CLI's child counts as a patched grader: a replaced or deleted attribute, a name
     added to a class, a module name that shadows a builtin -- not other new module names (Triton's

@@ -34,7 +34,7 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
-from course_pkg.labs.lab import Lab
+from course_pkg.labs.lab import Lab, resolve
 
 #: Names every class body defines: never a part the student writes.
 _CLASS_BOOKKEEPING = {"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__",
@@ -93,9 +93,14 @@ def written_parts(lab: Lab) -> list[Part]:
         return list(_class_parts(stub, reference))
     parts = []
     for path in dict.fromkeys((lab.reference_path, *lab.solution_paths)):
-        module_name, _, attr = path.partition(":")
-        if "." not in attr:                      # a module-level function or kernel
-            parts.append(Part(sys.modules[module_name], attr, attr))
+        if "." in path.partition(":")[2]:
+            continue                            # a method: the student calls it, does not write it
+        obj = resolve(path)
+        fn = getattr(obj, "fn", obj)            # a Triton kernel: its Python function
+        module = sys.modules.get(getattr(fn, "__module__", None))
+        name = getattr(fn, "__name__", None)
+        if module is not None and vars(module).get(name) is obj:   # where it is defined
+            parts.append(Part(module, name, name))
     return parts
 
 
@@ -124,37 +129,61 @@ def _guard(fn, label: str, from_graded_file):
 _GUARD_CODE = _guard(lambda: None, "", None).__code__       # every guard runs this code
 
 
-def install_guards(parts: list[Part], from_graded_file) -> set:
-    """Guard each part in place; return the code objects a graded object must not be made of."""
-    protected = set()
+def protected_code(parts: list[Part]) -> dict:
+    """The code objects of the package's parts, with their names: a graded object made of one is
+    not the student's."""
+    found = {}
+    for part in parts:
+        code = code_of(inspect.getattr_static(part.owner, part.name))
+        if code is not None:
+            found[code] = part.label
+    return found
+
+
+def install_guards(parts: list[Part], from_graded_file) -> dict:
+    """Guard each part in place; return the code objects a graded object must not be made of
+    (the parts' own, and the guards')."""
+    protected = protected_code(parts)
     for part in parts:
         value = inspect.getattr_static(part.owner, part.name)
-        code = code_of(value)
-        if code is not None:
-            protected.add(code)
         if isinstance(value, types.FunctionType):
             setattr(part.owner, part.name, _guard(value, part.label, from_graded_file))
         elif isinstance(value, property) and value.fget is not None:
             setattr(part.owner, part.name, property(_guard(value.fget, part.label, from_graded_file),
                                                     value.fset, value.fdel, value.__doc__))
         # A Triton kernel is left as it is: the static check below still refuses it re-exported.
-    protected.add(_GUARD_CODE)
+    protected[_GUARD_CODE] = None                  # a guard: named by the part it stands for
     return protected
 
 
-def authorship_problems(lab: Lab, graded, protected: set) -> list[str]:
+def _name_of(value) -> str:
+    value = getattr(value, "fget", value)
+    return getattr(value, "__qualname__", None) or getattr(getattr(value, "fn", None), "__qualname__", repr(value))
+
+
+def _package_part(value, protected: dict) -> str | None:
+    """The package part ``value`` is (by its code), or None when it is not one."""
+    code = code_of(value)
+    if code not in protected:
+        return None
+    return protected[code] or _name_of(value)
+
+
+def authorship_problems(lab: Lab, graded, protected: dict) -> list[str]:
     """What in ``graded`` is the package's own code rather than the student's (by looking only)."""
-    shown = getattr(graded, "__qualname__", None) or getattr(getattr(graded, "fn", None), "__qualname__", repr(graded))
-    if graded is lab.reference or code_of(graded) in protected:
-        return [f"{shown} is the package's own {lab.reference_path.partition(':')[2]}, not code of the graded "
-                "file (re-exported or assigned): grading needs your own code"]
+    shown = _name_of(graded)
+    part = _package_part(graded, protected) or (lab.reference_path.partition(":")[2] if graded is lab.reference
+                                                else None)
+    if part is not None:
+        return [f"{shown} is the package's own {part}, not code of the graded file (re-exported or assigned): "
+                "grading needs your own code"]
     stub = lab.stub
     if not (isinstance(stub, type) and isinstance(graded, type)):
         return []
     return list(_class_problems(stub, graded, shown, protected))
 
 
-def _class_problems(stub: type, graded: type, shown: str, protected: set):
+def _class_problems(stub: type, graded: type, shown: str, protected: dict):
     for name, nested in _stub_names(stub):
         try:
             value = inspect.getattr_static(graded, name)
@@ -165,9 +194,9 @@ def _class_problems(stub: type, graded: type, shown: str, protected: set):
             if isinstance(value, type):
                 yield from _class_problems(nested, value, f"{shown}.{name}", protected)
             continue
-        if code_of(value) in protected:
-            where = next((k.__qualname__ for k in graded.__mro__ if name in vars(k)), "?")
-            yield (f"{shown}.{name} is the package's own {where}.{name} (inherited, assigned or re-exported), "
+        part = _package_part(value, protected)
+        if part is not None:
+            yield (f"{shown}.{name} is the package's own {part} (inherited, assigned or re-exported), "
                    "not code of the graded file: write it in your class")
 
 

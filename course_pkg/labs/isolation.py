@@ -15,9 +15,17 @@ of the package the lab can use and records every attribute of those modules and 
 classes (and of a few standard modules the graders rely on, ``time`` and ``random`` among
 them); after the import and after each scenario it checks that nothing was replaced. The
 child's messages carry a token the parent hands it on its standard input before the student's
-file runs, so a file that writes to the channel does not forge a report by accident. (Code
-run in the same process can always dig deeper; this is a classroom's guard against the known
-tricks and honest mistakes, not a security boundary.)
+file runs, so a file that writes to the channel does not forge a report by accident.
+
+The child grades only the file's own code (``course_pkg.labs.authorship``: the package's version
+of what the lab asks for is guarded and its source unreadable from the file; the child runs in
+a fresh temporary directory, the file's only place to write). And a pass is confirmed here:
+every scenario's report carries the number and kinds of checks it made, which must equal those
+of the package's own implementation graded the same way (``reference_checks``, run once per
+version of the package and cached). Graded code that silences a failed check (through ``gc``)
+or forges the channel's messages (its token is in the child's memory) gives other checks.
+(Code run in the same process can always dig deeper; this is a classroom's guard against the
+known tricks and honest mistakes, not a security boundary.)
 """
 from __future__ import annotations
 
