@@ -365,6 +365,17 @@ AUTHORSHIP_CASES = {
                 "Sequence.num_blocks"),
     "a package instance held": (_METHOD + "        return Sequence(list(self.token_ids), block_size=self.block_size).num_blocks\n",
                                 "raised ReferenceUnavailable: the graded code called the package's own Sequence.num_blocks"),
+    "super() from code compiled under another file name": (
+        "import json\n"
+        "SOURCE = ('from course_pkg.sequence import Sequence\\n'\n"
+        "          'class S(Sequence):\\n'\n"
+        "          '    def block(self, i):\\n        return super().block(i)\\n'\n"
+        "          '    @property\\n    def last_block_num_tokens(self):\\n        return super().last_block_num_tokens\\n'\n"
+        "          '    @property\\n    def num_blocks(self):\\n        return super().num_blocks\\n')\n"
+        "namespace = {'__name__': 'json'}\n"
+        "exec(compile(SOURCE, json.__file__, 'exec'), namespace)\n"
+        "StudentSequence = namespace['S']\n",
+        "raised ReferenceUnavailable: the graded code called the package's own Sequence."),
     "the source exec'd": ("import inspect\nimport course_pkg.sequence as m\nexec(inspect.getsource(m))\n",
                           "importing case.py raised OSError: could not get source code"),
     "the source read from disk": ("import course_pkg.sequence as m\nexec(open(m.__file__).read())\n",

@@ -264,16 +264,58 @@ def install_audit_hook(package_dir: Path, work_dir: Path, from_graded_file) -> N
     linecache.getlines = guarded_getlines
 
 
+def trusted_directories() -> tuple[str, ...]:
+    """Where the code that may call the package's parts lives: the package, the standard library,
+    the installed packages (torch, Triton). Anything else on the stack is the graded file's."""
+    import site
+    import sysconfig
+
+    dirs = {Path(__file__).resolve().parents[1], Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix),
+            *(Path(p) for p in site.getsitepackages()), Path(site.getusersitepackages()),
+            *(Path(p) for p in sysconfig.get_paths().values())}
+    return tuple(sorted({os.path.realpath(d) + os.sep for d in dirs}))
+
+
 def graded_file_detector(path: Path):
-    """A function of a frame: is code of the file at ``path`` (or run in its module) on the stack?
-    ``set_globals`` names the module's namespace once it exists."""
+    """A function of a frame: is code of the graded file on the stack from there down?
+
+    Trusted code runs in the namespace of a loaded module whose file is in a trusted directory
+    (``trusted_directories``): the package, the standard library, torch, Triton -- code they
+    compile at run time too (``dataclasses`` builds ``__init__`` with ``exec`` in the class's
+    module). Every other frame is the graded file's: its own lines, and whatever it compiled
+    from a string into a namespace of its own, under any file name. The frames that started the
+    child are trusted. ``set_globals`` names the graded module's namespace once it exists."""
     filename = str(path)
+    roots = trusted_directories()
     state = {"globals": None}
+    trusted: set[int] = set()                 # ids of module namespaces found trusted (they live on)
+    starting = set()
+    frame = sys._getframe(1)
+    while frame is not None:
+        starting.add(frame.f_code)
+        frame = frame.f_back
+
+    def trusted_namespace(namespace: dict) -> bool:
+        if id(namespace) in trusted:
+            return True
+        name = namespace.get("__name__")
+        module = sys.modules.get(name) if isinstance(name, str) else None
+        file = getattr(module, "__file__", None)
+        if module is None or vars(module) is not namespace or not isinstance(file, str):
+            return False
+        if not os.path.realpath(file).startswith(roots):
+            return False
+        trusted.add(id(namespace))
+        return True
+
+    def graded(frame) -> bool:
+        if frame.f_code.co_filename == filename or frame.f_globals is state["globals"]:
+            return True
+        return frame.f_code not in starting and not trusted_namespace(frame.f_globals)
 
     def from_graded_file(frame) -> bool:
-        graded_globals = state["globals"]
         while frame is not None:
-            if frame.f_code.co_filename == filename or frame.f_globals is graded_globals:
+            if graded(frame):
                 return True
             frame = frame.f_back
         return False
