@@ -141,6 +141,20 @@ def test_a_fault_at_any_line_of_a_step_leaves_no_half_open_step_and_loses_no_out
         assert got == expected, f"other tokens than a fault-free run after a fault at {tracer.where}"
 
 
+def test_a_sigint_at_each_of_the_last_lines_of_a_run_loses_no_output(counted):
+    """The last step hands out the last outputs and then leaves: the lock's release and the
+    context manager's exit run after the outbox is emptied for the return (a SIGINT there once
+    dropped the outputs: tools/line_fault_sweep.py found it). A SIGINT at each of the last 16
+    line events of a run."""
+    expected, _ = counted["prefill_first-recompute"]
+    clean = LineFault()                       # counted again: a first run traces one-time set-up too
+    assert serve(LLM(MODEL, **CPU, **CONFIGS["prefill_first-recompute"]), clean) == expected
+    for at in range(clean.lines - 15, clean.lines + 1):
+        tracer = LineFault(at, "SIGINT")
+        got = serve(LLM(MODEL, **CPU, **CONFIGS["prefill_first-recompute"]), tracer)
+        assert tracer.fired and got == expected, f"other tokens after a SIGINT at {tracer.where}"
+
+
 # The plumbing: the lines that open, commit, undo and finish a step and hand out its outputs.
 PLUMBING = {"begin", "commit", "rollback", "_end", "_unsave", "_transaction", "transaction", "commit_step",
             "unschedule", "_forget_overwritten", "add_all", "abort", "_step", "_run_step",

@@ -241,13 +241,13 @@ class LLMEngine:
                     self._mark_ready(self._completions(request_id))
                     self._hand_out_ready([request_id])   # if the tokenizer raises, a second call returns it
                     self._observe_finished([self._outbox[request_id]])
-            out = self._outbox[request_id]
-            try:   # (as in _take_outbox: a fault before the return is complete puts it back)
-                del self._outbox[request_id]
-                return out
-            except BaseException:
-                self._outbox[request_id] = out
-                raise
+        out = self._outbox[request_id]   # (after the lock's release, as in _step)
+        try:   # (as in _take_outbox: a fault before the return is complete puts it back)
+            del self._outbox[request_id]
+            return out
+        except BaseException:
+            self._outbox[request_id] = out
+            raise
 
     def _completions(self, request_id: int) -> list[Sequence]:
         """The sequences of a request: its own, then its forks (completions 1 .. n-1)."""
@@ -292,7 +292,9 @@ class LLMEngine:
                 core[o.request_id] = replace(c, finished=True, metrics=o.metrics) if c is not None else \
                     EngineCoreOutput(o.request_id, {}, {}, {x.index: x.finish_reason for x in o.outputs},
                                      o.num_cached_tokens, o.metrics, finished=True)
-            return self._take_outbox(list(core.values()))
+        # Taken after the lock's release (the exit of the block above): a fault there would drop
+        # outputs already taken out of the outbox; here they stay in it until the return.
+        return self._take_outbox(list(core.values()))
 
     def _run_step(self, deltas: bool) -> dict[int, EngineCoreOutput]:
         """Schedule, execute and record one step -- the scheduler's transaction, with the

@@ -15,8 +15,12 @@ package's version would pass without a line written. In the grading child
 * **its source is unreadable** (``install_audit_hook``): while code of the graded file runs,
   opening a source or bytecode file of a loaded package module raises ``PermissionError``
   (``inspect.getsource``, ``open``, ``importlib.reload``, a loader: they all open the file, and
-  ``linecache`` gives the graded code none of its lines),
-  and so do writing outside the child's own temporary directory and starting a process.
+  ``linecache`` gives the graded code none of its lines); so do writing outside the child's own
+  temporary directory and starting a process.
+
+"Code of the graded file" (``graded_file_detector``) is every frame that does not run in the
+namespace of a loaded module from the package, the standard library or an installed package:
+the file's own lines, and whatever it compiled from a string, under any file name.
 
 After the import, ``authorship_problems`` looks at the graded object without running it: a
 written part that is still the package's (inherited, assigned from the package, re-exported)
