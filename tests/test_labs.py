@@ -288,10 +288,10 @@ CLI_CASES = {
                         "the grading channel received a message the grader did not send"),
     "an endless import": ("while True:\n    pass\n", "importing case.py did not finish within 1 s"),
     "an endless method": (_METHOD + "        while True:\n            pass\n",
-                          "2 scenarios ran past their 1 s: the scenarios after '5 tokens, block size 1' were not run"),
+                          "2 scenarios ran past their 1 s of CPU time: the scenarios after '5 tokens, block size 1' were not run"),
     "a swallowed timeout": (_METHOD + "        while True:\n            try:\n                while True:\n"
                             "                    pass\n            except BaseException:\n                pass\n",
-                            "1 token, block size 1: still running after 2.1 s: the code under test did not stop"),
+                            "1 token, block size 1: still running after 5.1 s: the code under test did not stop"),
 }
 
 
@@ -459,6 +459,29 @@ def test_the_childs_watch_flags_replacements_and_shadowing_not_new_names():
         Lockstep.compare = saved
         del Lockstep.extra, lockstep_module.len, lockstep_module.some_helper
     assert changes() == []
+
+
+def test_a_scenario_is_limited_by_cpu_time_and_by_a_wider_wall_clock_bound():
+    """A busy machine slows a scenario without using its budget: the limit is CPU time (and
+    WALL_FACTOR times it in wall-clock time, for code that waits)."""
+    from course_pkg.labs.lab import WALL_FACTOR, Grading
+
+    g = Grading(time_limit=0.3)
+    start = time.monotonic()
+    with g.scenario("sleeps 0.5 s: no CPU time"):
+        time.sleep(0.5)
+    with g.scenario("spins"):
+        while True:
+            pass
+    with g.scenario("sleeps for ever"):
+        while True:
+            time.sleep(0.05)
+    assert g.scenarios == ["sleeps 0.5 s: no CPU time", "spins", "sleeps for ever"]
+    assert len(g.failures) == 2, g.failures
+    assert g.failures[0].startswith("spins: raised ScenarioTimeout: still running after 0.3 s of CPU time")
+    assert g.failures[1].startswith(f"sleeps for ever: raised ScenarioTimeout: still running after "
+                                    f"{WALL_FACTOR * 0.3:g} s (waiting")
+    assert time.monotonic() - start < 0.5 + 0.3 * 3 + WALL_FACTOR * 0.3 + 1
 
 
 def test_in_notebook_grading_records_exits_and_a_raised_scenario_failed_as_failures():

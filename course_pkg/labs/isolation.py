@@ -50,14 +50,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from course_pkg.labs import authorship
-from course_pkg.labs.lab import Grading, Lab, resolve
+from course_pkg.labs.lab import WALL_FACTOR, Grading, Lab, resolve
 
 #: Given as the file to grade, the child grades the package's own implementation.
 REFERENCE = ":reference:"
 
 #: Seconds the child may take to start and load the grader (before the student's file runs).
 SETUP_LIMIT = 120.0
-#: Seconds a graded file may take to import, and a scenario to run, unless told otherwise.
+#: Seconds a graded file may take to import (wall-clock), and a scenario to run (CPU time; see
+#: ``lab.WALL_FACTOR``), unless told otherwise.
 IMPORT_LIMIT = 20.0
 SCENARIO_LIMIT = 30.0
 #: After this many scenarios ran past their limit, the rest are not run (an endless loop in a
@@ -69,8 +70,9 @@ WATCHED_STDLIB = ("builtins", "time", "random", "collections", "itertools", "fun
 
 
 def grace(limit: float) -> float:
-    """How long past ``limit`` the parent waits before it kills: the child's own alarm fires at
-    ``limit`` and stops an ordinary loop, which then counts as that scenario's failure only."""
+    """How long past a scenario's wall-clock bound the parent waits before it kills: the child's
+    own alarms fire first and stop an ordinary loop, which then counts as that scenario's failure
+    only."""
     return 1.0 + 0.1 * limit
 
 
@@ -289,7 +291,7 @@ class _Follower:
         self.child, self.token, self.report, self.file_name = child, token, report, file_name
         self.import_limit = import_limit
         self.scenario_limit = scenario_limit
-        self.step_limit = scenario_limit + grace(scenario_limit)
+        self.step_limit = WALL_FACTOR * scenario_limit + grace(scenario_limit)
         self.phase, self.current = "setup", None
         self.started_at = time.monotonic()
         self.deadline = self.started_at + SETUP_LIMIT
@@ -330,9 +332,9 @@ class _Follower:
                        "loop or a long computation at import time?); the grading process was stopped")
         elif self.phase == "scenario":
             self._add_record(False, f"still running after {self.step_limit:g} s: the code under test did not stop "
-                                f"when its {self.scenario_limit:g} s were up (it catches the timeout, or never "
-                                "returns to Python); the grading process was killed, so the scenarios after "
-                                "this one did not run")
+                                f"when its {self.scenario_limit:g} s of CPU time (or {WALL_FACTOR * self.scenario_limit:g} "
+                                "s) were up (it catches the timeout, or never returns to Python); the grading "
+                                "process was killed, so the scenarios after this one did not run")
             self._stop(f"grading stopped in scenario {self.current!r}: it ran past its time limit")
         else:
             self._stop(f"the grader made no progress for {self.step_limit:g} s after scenario {self.current!r}; "
@@ -463,7 +465,7 @@ class ChildGrading(Grading):
             self._timeouts += 1
             if self._timeouts == MAX_TIMEOUTS:
                 self._channel.send("stopped", message=(
-                    f"{MAX_TIMEOUTS} scenarios ran past their {self.time_limit:g} s: the scenarios after "
+                    f"{MAX_TIMEOUTS} scenarios ran past their {self.time_limit:g} s of CPU time: the scenarios after "
                     f"{name!r} were not run (find the endless loop first)"))
                 raise _Stop
 

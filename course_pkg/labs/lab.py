@@ -33,8 +33,13 @@ class ScenarioFailed(Exception):
     """Raised by ``Grading.fail``: stops the current scenario (later steps would only repeat it)."""
 
 
-#: Seconds a scenario may run before it is stopped as a failure (a student's endless loop).
+#: Seconds of CPU time a scenario may use before it is stopped as a failure (a student's endless
+#: loop). CPU time, not wall-clock time: a machine busy with other work (a classroom grading at
+#: once, CI) slows a scenario down without using up its budget.
 SCENARIO_TIME_LIMIT = 30
+#: A scenario may also take this many times its limit in wall-clock time (code that waits, or
+#: sleeps, uses no CPU time).
+WALL_FACTOR = 4
 
 
 class ScenarioTimeout(Exception):
@@ -47,8 +52,8 @@ class Grading:
     A grader runs each scenario inside ``with g.scenario("name"):``. The first failed check
     ends that scenario and is recorded as ``"name: what differed"``; an exception raised by the
     student's code is recorded the same way (``sys.exit`` included: graded code must not
-    exit), and so is a scenario that runs past ``time_limit`` seconds (where an alarm signal
-    can be used). The other scenarios still run, so the report lists everything that is
+    exit), and so is a scenario that uses more than ``time_limit`` seconds of CPU time, or
+    ``WALL_FACTOR`` times that in wall-clock time (where timer signals can be used). The other scenarios still run, so the report lists everything that is
     wrong, not only the first thing.
 
     The alarm stops ordinary loops only: code that catches the timeout keeps running. The
@@ -83,10 +88,14 @@ class Grading:
         limit = self.time_limit
         alarm = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
         if alarm:
-            def on_alarm(signum, frame):
-                raise ScenarioTimeout(f"still running after {limit:g} s (an endless loop?)")
-            previous = signal.signal(signal.SIGALRM, on_alarm)
-            signal.setitimer(signal.ITIMER_REAL, limit)
+            def on_cpu(signum, frame):
+                raise ScenarioTimeout(f"still running after {limit:g} s of CPU time (an endless loop?)")
+
+            def on_wall(signum, frame):
+                raise ScenarioTimeout(f"still running after {WALL_FACTOR * limit:g} s (waiting for something?)")
+            previous = signal.signal(signal.SIGPROF, on_cpu), signal.signal(signal.SIGALRM, on_wall)
+            signal.setitimer(signal.ITIMER_PROF, limit)           # CPU time of the process
+            signal.setitimer(signal.ITIMER_REAL, WALL_FACTOR * limit)
         try:
             yield
         except ScenarioFailed:
@@ -97,8 +106,10 @@ class Grading:
             self.failures.append(f"{name}: raised {type(e).__name__}{f': {e}' if str(e) else ''}{_hint(e)}")
         finally:
             if alarm:
+                signal.setitimer(signal.ITIMER_PROF, 0)
                 signal.setitimer(signal.ITIMER_REAL, 0)
-                signal.signal(signal.SIGALRM, previous)
+                signal.signal(signal.SIGPROF, previous[0])
+                signal.signal(signal.SIGALRM, previous[1])
             self._current = None
         self.ended(name, self.failures[before] if len(self.failures) > before else None,
                    time.perf_counter() - start)

@@ -495,6 +495,19 @@ class SilentCopyBlockManager(BlockManager):
 
 # ---------------------------------------------------------------- chapter 06: the scheduler
 
+class SameStepIgnoredMixedScheduler(Scheduler):
+    """Schedules prompt tokens as if ``same_step_prefix_hits`` were off: blocks a prompt fills in
+    this step are not registered when scheduled, so a later prompt of the same step that shares
+    them hits nothing and computes them again."""
+
+    def _schedule_prompts(self, plan, budget: int) -> int:
+        setting, self.same_step_prefix_hits = self.same_step_prefix_hits, False    # the bug
+        try:
+            return super()._schedule_prompts(plan, budget)
+        finally:
+            self.same_step_prefix_hits = setting
+
+
 class UncountedPreemptScheduler(Scheduler):
     """``preempt`` does everything but count: ``stats.num_preemptions`` stays 0, so the metrics
     (and chapter 03's sweeps) report no preemption however many there were."""

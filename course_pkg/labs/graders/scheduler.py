@@ -59,11 +59,14 @@ class _Side:
 
 def _drive(g: Grading, impl, requests: dict[str, tuple], *, num_blocks: int, block_size: int,
            max_num_seqs: int = 8, max_num_batched_tokens: int = 64, scheduling: str = "prefill_first",
-           expect: Callable[[int, dict], None] | None = None, max_steps: int = 400) -> None:
+           same_step_prefix_hits: bool = False, expect: Callable[[int, dict], None] | None = None,
+           max_steps: int = 400) -> None:
     """Serve ``requests`` (name -> (prompt, outputs, arrival step)) on both schedulers in lockstep."""
     kwargs = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     if scheduling != "prefill_first":
         kwargs["scheduling"] = scheduling
+    if same_step_prefix_hits:
+        kwargs["same_step_prefix_hits"] = True
     ref = _Side(Scheduler(num_blocks, block_size, **kwargs), requests)
     mine = _Side(impl(num_blocks, block_size, **kwargs), requests)
     last_arrival = max(arrival for _, _, arrival in requests.values())
@@ -264,6 +267,14 @@ def grade_mixed(impl, g: Grading) -> None:
         _drive(g, impl, requests, num_blocks=32, block_size=4, max_num_batched_tokens=8, scheduling="mixed",
                expect=_at(g, 1, {"batch": ["A", "B"], "scheduled tokens": [1, 7]},
                           "A's decode token, then 7 of B's 20 prompt tokens"))
+    with g.scenario("same-step prefix hits: a prompt hits the blocks another prompt fills in the same step "
+                    "(block size 4, budget 64)"):
+        shared = tuple(range(1, 13))                    # 12 tokens: three full blocks of 4
+        requests = {"A": (shared + (20, 21), (101, 102), 0), "B": (shared + (30,), (111, 112), 0)}
+        _drive(g, impl, requests, num_blocks=16, block_size=4, scheduling="mixed", same_step_prefix_hits=True,
+               expect=_at(g, 0, {"batch": ["A", "B"], "scheduled tokens": [14, 1]},
+                          "A's whole prompt; B hits A's three blocks registered in this step and computes "
+                          "its 13th token only"))
     with g.scenario("preemption under the mixed policy (block size 2, pool 6)"):
         outputs = tuple(range(200, 206))
         requests = {"A": ((1, 2, 3), outputs, 0), "B": ((4, 5, 6), outputs, 0), "C": ((7, 8, 9), outputs, 0),
