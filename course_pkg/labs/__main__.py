@@ -6,7 +6,8 @@
 
 The file must define the stub's name (``StudentAppendBlockManager`` for ``append``, see
 ``list``) or name the object with ``--name``. It is imported and graded in a child process
-with a wall-clock limit for the import and for each scenario (``course_pkg.labs.isolation``);
+with a limit for the import (wall-clock) and for each scenario (CPU time, and four times that
+in wall-clock time; ``course_pkg.labs.isolation``);
 the exit status is 0 only when the lab PASSED, 1 when it failed, 2 on a usage error.
 """
 from __future__ import annotations
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--import-limit", type=_seconds, default=IMPORT_LIMIT, metavar="S",
                         help=f"seconds the file may take to import (default {IMPORT_LIMIT:g})")
     parser.add_argument("--scenario-limit", type=_seconds, default=SCENARIO_LIMIT, metavar="S",
-                        help=f"seconds each scenario may run (default {SCENARIO_LIMIT:g})")
+                        help=f"seconds of CPU time each scenario may use (default {SCENARIO_LIMIT:g})")
     args = parser.parse_args(argv)
     if args.lab == "list":
         return _list()
