@@ -19,7 +19,7 @@ def test_every_chapter_is_there():
     names = [p.stem for p in NOTEBOOKS]
     for chapter in ["00_overview", "01_block", "02_block_manager", "03_lru_reversed_deallocate", "04_prefix_caching",
                     "05_triton_paged_attention", "06_engine", "07_claims", "08_forks_copy_on_write", "09_scheduling",
-                    "10_tensor_parallel", "11_real_traces", "12_sharing_safely", "13_serving"]:
+                    "10_tensor_parallel", "11_real_traces", "12_sharing_safely", "13_serving", "14_speculative_decoding"]:
         assert chapter in names
 
 
