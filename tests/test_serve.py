@@ -738,7 +738,9 @@ def test_other_statuses_have_word_types_and_codes(served):
     assert wrong_method.json()["error"]["type"] == "invalid_request_error"
     assert wrong_method.json()["error"]["code"] is None
     unknown = raw_post(server, "/v1/completions", '{"prompt": "x", "model": "gpt-4"}')
-    assert (unknown.json()["error"]["type"], unknown.json()["error"]["code"]) == ("not_found_error", "model_not_found")
+    assert unknown.status_code == 404     # OpenAI's answer for a model that does not exist:
+    assert (unknown.json()["error"]["type"], unknown.json()["error"]["code"]) == ("invalid_request_error",
+                                                                                  "model_not_found")
 
 
 def test_include_usage_puts_a_null_usage_in_every_chunk_but_the_last(served):

@@ -48,12 +48,14 @@ class APIError(Exception):
         self.message, self.status, self.param, self.code = message, status, param, code
 
 
-_ERROR_TYPES = {404: "not_found_error", 503: "service_unavailable_error"}
+_ERROR_TYPES = {503: "service_unavailable_error"}
 
 
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
-    """OpenAI's error object. ``type`` is a word (any other 4xx is an ``invalid_request_error``,
-    any other 5xx an ``internal_server_error``); ``code`` is a word naming the case, or null."""
+    """OpenAI's error object. ``type`` is a word: every 4xx is an ``invalid_request_error`` (OpenAI's
+    type for a model that does not exist too, a 404 whose ``code`` is ``model_not_found``), a 503
+    a ``service_unavailable_error``, any other 5xx an ``internal_server_error``; ``code`` is a
+    word naming the case, or null."""
     kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
