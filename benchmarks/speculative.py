@@ -5,7 +5,7 @@
 
 One seeded workload per kind of prompt runs, side by side in this process, through the tiny
 default model with no speculation, with prompt lookup (``"ngram"``, lookup 1..3) and with the
-early-exit draft (``"draft_model"``, the target's first 2 of 4 layers), each for
+early-exit draft (``"early_exit"``, the target's first 2 of 4 layers), each for
 ``num_speculative_tokens`` k in {1, 2, 4, 8}. Two kinds of prompts: *repetitive* (passages of the
 tiny model's corpus that come back to their own first words; the model recalls its prose, so its
 continuation repeats the prompt) and *novel* (random token ids). Two batch shapes: one request at
@@ -38,7 +38,7 @@ from course_pkg import LLM, SamplingParams  # noqa: E402
 KS = (1, 2, 4, 8)
 METHODS = {
     "ngram": {"method": "ngram", "prompt_lookup_max": 3, "prompt_lookup_min": 1},
-    "draft_model": {"method": "draft_model", "num_draft_layers": 2},
+    "early_exit": {"method": "early_exit", "num_draft_layers": 2},
 }
 
 

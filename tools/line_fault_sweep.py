@@ -37,7 +37,7 @@ from tests.test_line_faults import KINDS, LineFault, check_after_fault  # noqa: 
 from tests.test_step_transaction import CONFIGS, CPU, MODEL, PARAMS, PROMPTS  # noqa: E402
 
 NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
-DRAFT = dict(method="draft_model", num_speculative_tokens=3, num_draft_layers=2)
+DRAFT = dict(method="early_exit", num_speculative_tokens=3, num_draft_layers=2)
 SALTED = [{"prompt_token_ids": p, "cache_salt": salt} if salt else p
           for p, salt in zip(PROMPTS, ("alice", None, "alice", "bob"))]
 

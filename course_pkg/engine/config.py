@@ -37,7 +37,8 @@ class EngineConfig:
     ``num_cpu_blocks``) and ``same_step_prefix_hits`` are chapter 09's; ``tensor_parallel_size``
     chapter 10's. ``free_queue``: the BlockManager's free queue ("linked", O(1) revival; the
     BlockManager alone starts from chapter 02's "deque"). ``speculative_config`` is chapter 14's
-    (vLLM's keys, see ``spec_decode.SpeculativeConfig``; kept here checked, as that object).
+    (``spec_decode.SpeculativeConfig``: vLLM's keys for ``ngram``, the course's own for
+    ``early_exit``; kept here checked, as that object).
     """
 
     model: str | Path | None = None
@@ -134,5 +135,5 @@ class EngineConfig:
             "max_model_len", self.max_model_len, minimum=2, maximum=limit)
         spec = self.speculative_config
         if spec is not None:
-            spec = spec.check_against_model(self.model, model_config)
+            spec = spec.check_against_model(model_config)
         return max_model_len, spec

@@ -10,18 +10,22 @@ A step so yields between 1 and ``k + 1`` tokens, and -- the point -- exactly the
 target would have produced alone: token for token when greedy, in distribution when sampling
 (rejection sampling, Leviathan et al. 2023; Chen et al. 2023).
 
-The pieces, with vLLM's names:
+The pieces (vLLM's names where vLLM has the thing):
 
-* :class:`SpeculativeConfig` -- ``LLM(speculative_config={...})``, vLLM's keys:
+* :class:`SpeculativeConfig` -- ``LLM(speculative_config={...})``:
   ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``
-  or ``{"method": "draft_model", "num_speculative_tokens": k, "num_draft_layers": 2}``.
+  takes vLLM's keys and means what they mean there;
+  ``{"method": "early_exit", "num_speculative_tokens": k, "num_draft_layers": 2}`` is this
+  course's own method and key (vLLM's ``"draft_model"`` is a separate, smaller checkpoint with
+  a KV cache of its own, which this course does not build).
 * :class:`NgramProposer` -- prompt lookup decoding (Saxena 2023): no model at all; find the
   longest recent n-gram earlier in the sequence and propose what followed it there.
-* :class:`EarlyExitProposer` -- the ``draft_model`` of this course: the target's own first
-  ``num_draft_layers`` layers, its final norm and its LM head (self-speculation, as in LayerSkip
-  and Draft & Verify). It needs no second checkpoint and no second KV cache: the draft's K/V in
-  those layers are the target's, so it reads the cache the target wrote and writes its drafts'
-  K/V into the lookahead slots, which verification then overwrites.
+* :class:`EarlyExitProposer` -- the target's own first ``num_draft_layers`` layers, its final
+  norm and its LM head: an early exit, self-speculation as in LayerSkip (Draft & Verify, the
+  other self-speculative design, skips intermediate layers instead). It needs no second
+  checkpoint and no second KV cache: the draft's K/V in those layers are the target's, so it
+  reads the cache the target wrote and writes its drafts' K/V into the lookahead slots, which
+  verification then overwrites.
 * :func:`greedy_accept` and :func:`rejection_sample` -- the acceptance rules, pure functions.
 * ``scheduler.SpecDecodingStats`` -- ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``,
   ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``; the mean acceptance length
@@ -34,34 +38,34 @@ The block side (the lookahead slots, the rollback) is the Scheduler's and the Bl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from course_pkg.validation import check_choice, check_int
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "early_exit")
 _KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
-         "draft_model": {"method", "num_speculative_tokens", "model", "num_draft_layers"}}
+         "early_exit": {"method", "num_speculative_tokens", "num_draft_layers"}}
+_NOT_BUILT = {"draft_model": "vLLM's 'draft_model' drafts with a separate, smaller checkpoint, which needs a KV "
+                             "cache of its own; this course drafts with the target's own first layers, "
+                             "method 'early_exit' (with 'num_draft_layers')"}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """What ``LLM(speculative_config={...})`` asks for, checked (vLLM's ``SpeculativeConfig`` keys).
+    """What ``LLM(speculative_config={...})`` asks for, checked.
 
-    ``num_speculative_tokens``: drafts per step (k). ``ngram``: ``prompt_lookup_max`` and
-    ``prompt_lookup_min`` bound the n-gram that is looked up (vLLM's defaults: one given sets
-    the other; neither given means 5 and 5). ``draft_model``: the course drafts with the
-    target's first ``num_draft_layers`` layers (default: half of them, at least one); ``model``,
-    if given, must name the target's own checkpoint -- a separate draft checkpoint would need a
-    KV cache of its own, which this course does not build.
+    ``num_speculative_tokens``: drafts per step (k), as in vLLM's ``SpeculativeConfig``.
+    ``ngram`` (vLLM's method and keys): ``prompt_lookup_max`` and ``prompt_lookup_min`` bound
+    the n-gram that is looked up (vLLM's defaults: one given sets the other; neither given
+    means 5 and 5). ``early_exit`` (this course's method and key, not vLLM's): the drafts come
+    from the target's first ``num_draft_layers`` layers (default: half of them, at least one).
     """
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
-    model: str | None = None
     num_draft_layers: int | None = None
 
     @classmethod
@@ -73,6 +77,9 @@ class SpeculativeConfig:
                             f"'num_speculative_tokens': 3}}, got {type(value).__name__}")
         if "method" not in value:
             raise ValueError(f"speculative_config needs a 'method', one of {SPECULATIVE_METHODS}")
+        if value["method"] in _NOT_BUILT:
+            raise ValueError(f"speculative_config: method {value['method']!r} is not built here: "
+                             f"{_NOT_BUILT[value['method']]}")
         method = check_choice("speculative_config['method']", value["method"], SPECULATIVE_METHODS)
         unknown = set(value) - _KEYS[method]
         if unknown:
@@ -95,28 +102,18 @@ class SpeculativeConfig:
         layers = value.get("num_draft_layers")
         if layers is not None:
             check_int("speculative_config['num_draft_layers']", layers, minimum=1)
-        model = value.get("model")
-        if model is not None and not isinstance(model, (str, Path)):
-            raise TypeError(f"speculative_config['model'] must be a checkpoint folder, got {type(model).__name__}")
-        return cls(method, k, model=None if model is None else str(model), num_draft_layers=layers)
+        return cls(method, k, num_draft_layers=layers)
 
-    def check_against_model(self, model_path, model_config) -> "SpeculativeConfig":
+    def check_against_model(self, model_config) -> "SpeculativeConfig":
         """The rules that need the target's checkpoint; returns the config with its defaults filled in."""
-        if self.method != "draft_model":
+        if self.method != "early_exit":
             return self
-        if self.model is not None:
-            from course_pkg.models import default_model_path
-            target = Path(default_model_path() if model_path is None else model_path).resolve()
-            if Path(self.model).resolve() != target:
-                raise ValueError(f"speculative_config['model']={self.model!r} is not the target checkpoint: this "
-                                 f"course drafts with the target's own first layers (num_draft_layers), which "
-                                 f"share its KV cache; a separate draft model is not supported")
         total = model_config.num_hidden_layers
         layers = self.num_draft_layers if self.num_draft_layers is not None else max(1, total // 2)
         if not 1 <= layers < total:
             raise ValueError(f"speculative_config['num_draft_layers']={layers}: the draft must use fewer layers "
                              f"than the target's {total} (and at least 1)")
-        return SpeculativeConfig(self.method, self.num_speculative_tokens, model=self.model, num_draft_layers=layers)
+        return SpeculativeConfig(self.method, self.num_speculative_tokens, num_draft_layers=layers)
 
 
 # ---------------------------------------------------------------- proposers
