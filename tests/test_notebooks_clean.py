@@ -133,3 +133,49 @@ def test_the_time_plan_has_a_row_per_chapter_with_its_labs_and_a_total_that_adds
     [total] = [row for name, row in plan.items() if name.startswith("**")]
     assert f"({sum(minutes(r[0]) for r in rows)} min)" in total[0]
     assert f"({sum(minutes(r[1]) for r in rows)} min)" in total[1]
+
+
+# A number the prose quotes -- a decimal or a percentage -- must be one the notebook printed: prose
+# written from an older run, or from a run on another machine, is caught here. The figures below
+# are not the notebook's own measurements: constants, parameters and other people's results.
+QUOTED = re.compile(r"(?<![\w.#/-])\d+(?:\.\d+)?%|(?<![\w.#/-])\d+\.\d+(?![\w.])")
+SECTION = re.compile(r"(?:section|sections|of|###) (\d+\.\d+)|(\d+\.\d+)-\d+\.\d+ and \d+;|\((\d+\.\d+) shows",
+                     re.IGNORECASE)
+NOT_MEASURED = {
+    "00_overview": {"8.0": "Llama-3-8B's parameter count, in billions",
+                    "90%": "vLLM's default gpu_memory_utilization",
+                    "3.1": "a section number in the time plan"},
+    "08_forks_copy_on_write": {"6.1": "the vLLM paper's figure", "37.6": "the vLLM paper's figure"},
+    "09_scheduling": {"0.3": "the workload's arrival rate, a parameter", "4.0": "PCIe 4.0"},
+    "12_sharing_safely": {"1.96": "the normal quantile of a 95% interval"},
+}
+
+
+def unmeasured_numbers(nb: dict, allowed: dict) -> list[tuple[int, str]]:
+    """(cell, number) for each decimal or percentage in the prose that no output shows."""
+    shown = "\n".join("".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/plain", ""))
+                      for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", []))
+    found = []
+    for i, cell in enumerate(nb["cells"]):
+        text = "".join(cell["source"])
+        if cell["cell_type"] != "markdown" or text.startswith("## References"):
+            continue
+        sections = {n for m in SECTION.finditer(text) for n in m.groups() if n}
+        for m in QUOTED.finditer(text):
+            number = m.group()
+            if number not in shown and number not in allowed and number not in sections:
+                found.append((i, number))
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_number_the_prose_quotes_is_one_the_notebook_printed(path):
+    assert not unmeasured_numbers(json.loads(path.read_text()), NOT_MEASURED.get(path.stem, {}))
+
+
+def test_the_number_check_catches_a_figure_no_cell_printed():
+    nb = {"cells": [{"cell_type": "code", "source": ["print(0.83)"], "outputs": [{"text": "0.83\n"}]},
+                    {"cell_type": "markdown", "source": ["The rate is 0.83, up 12% from 0.74 (section 3.2)."]},
+                    {"cell_type": "markdown", "source": ["## References\n\nA paper's 0.99."]}]}
+    assert unmeasured_numbers(nb, {}) == [(1, "12%"), (1, "0.74")]
+    assert unmeasured_numbers(nb, {"12%": "given", "0.74": "given"}) == []

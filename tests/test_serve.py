@@ -231,6 +231,9 @@ def assert_openai_error(response: httpx.Response, status: int, *words: str) -> N
 @pytest.mark.parametrize("path, body, status, words", [
     ("/v1/completions", "{not json", 400, ["not valid JSON"]),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 1.0}, 400, ["unknown field", "presence_penalty"]),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, 400, ["unknown field", "frequency_penalty"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 1}}, 400,
+     ["unknown field", "logit_bias"]),
     ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, ["max_tokens"]),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, ["temperature"]),
     ("/v1/completions", {"max_tokens": 3}, 400, ["prompt", "required"]),

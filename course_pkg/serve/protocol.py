@@ -1,7 +1,8 @@
 """The request bodies the server accepts, as pydantic models (OpenAI's field names).
 
 Every model forbids unknown fields and converts nothing (``strict``): ``"max_tokens": "5"`` or a
-field this server does not know (``presence_penalty``) is a 400 that names the field, never a
+field this server does not know (``presence_penalty``, ``frequency_penalty``, ``logit_bias``: the
+sampler has no penalties or biases) is a 400 that names the field, never a
 value silently dropped or misread. That is this course's choice, not vLLM's: vLLM's
 ``OpenAIBaseModel`` allows extra fields (``extra="allow"``) and only logs the ones it ignores;
 the issue behind chapter 13 asks for a 400 instead. ``None`` stands for "not given" as in
