@@ -251,6 +251,91 @@ def test_an_unbounded_pool_gives_every_policy_the_bound(trace, concurrency):
         assert replay(trace, name, big, concurrency).hits == bound, name
 
 
+# ---------------------------------------------------------------- the exact optimum (small traces)
+
+class ScriptedPolicy(CachePolicy):
+    """A one-copy block cache that evicts what a script says: at its k-th eviction it gives up the
+    ``script[k]``-th set (in ``itertools.combinations`` order) of the blocks it may give up. Driven
+    by ``replay`` itself, so it checks ``optimum.py``'s own model of the replay."""
+
+    name = "scripted"
+
+    def __init__(self, num_blocks, script):
+        super().__init__(num_blocks)
+        self.script, self.choices, self.held = list(script), [], {}
+
+    def peek(self, block_ids):
+        from course_pkg.workloads.cache_policies import leading_run
+        return leading_run(block_ids, self.held)
+
+    def admit(self, block_ids):
+        import itertools
+        wanted = set(block_ids)
+        missing = [b for b in dict.fromkeys(block_ids) if b not in self.held]
+        evictable = sorted(b for b, n in self.held.items() if n == 0 and b not in wanted)
+        free = self.num_blocks - len(self.held)
+        if len(missing) > free + len(evictable):
+            return None
+        hits = self.peek(block_ids)
+        if len(missing) > free:
+            options = list(itertools.combinations(evictable, len(missing) - free))
+            k = len(self.choices)
+            pick = self.script[k] if k < len(self.script) else 0
+            self.choices.append(len(options))
+            for b in options[pick]:
+                del self.held[b]
+        for b in wanted:
+            self.held[b] = self.held.get(b, 0) + 1
+        return hits, wanted
+
+    def release(self, wanted):
+        for b in wanted:
+            self.held[b] -= 1
+
+
+def best_over_scripts(trace, num_blocks, concurrency):
+    """The most hits over every eviction script, enumerated depth first."""
+    best, stack = 0, [[]]
+    while stack:
+        script = stack.pop()
+        policy = ScriptedPolicy(num_blocks, script)
+        best = max(best, replay(trace, policy, num_blocks, concurrency).hit_blocks)
+        k = len(script)
+        if k < len(policy.choices):       # branch on the first choice the script did not fix
+            stack += [script + [pick] for pick in range(policy.choices[k])]
+    return best
+
+
+def test_the_optimum_beats_belady_where_a_block_returns_as_a_last_block():
+    from course_pkg.workloads.optimum import optimal_hit_blocks
+    # Worked out by hand (chapter 11): at R4 belady keeps 2 (hit at R7) and loses 1 (hit at R9);
+    # the optimum loses 2, which R6 = [2] computes again anyway, and hits both.
+    small = trace_of([0], [1], [1], [2], [3, 4], [5], [2], [2, 6], [7], [1, 8])
+    assert replay(small, "belady", 3, 1).hit_blocks == 1
+    assert optimal_hit_blocks(small, 3, 1) == 2 == best_over_scripts(small, 3, 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(prefix_traces(max_requests=7), st.integers(3, 6), st.integers(1, 2))
+def test_the_optimum_is_the_best_eviction_script_and_no_policy_beats_it(trace, num_blocks, concurrency):
+    from course_pkg.workloads.optimum import optimal_hit_blocks
+    best = optimal_hit_blocks(trace, num_blocks, concurrency)
+    assert best == best_over_scripts(trace, num_blocks, concurrency)
+    for name in POLICIES:
+        got = replay(trace, name, num_blocks, concurrency).hit_blocks
+        assert got <= best if name != "infinite" else got >= best, name
+
+
+def test_the_optimum_refuses_a_search_too_large_and_bad_arguments(monkeypatch):
+    from course_pkg.workloads import optimum
+    monkeypatch.setattr(optimum, "MAX_STATES", 50)
+    big = trace_of(*[[i, i + 100] for i in range(30)], *[[i, i + 200] for i in range(30)])
+    with pytest.raises(ValueError, match="too large"):
+        optimum.optimal_hit_blocks(big, 8, 2)
+    with pytest.raises(ValueError, match="num_blocks"):
+        optimum.optimal_hit_blocks(big, 0)
+
+
 MOONCAKE_HEAD = load_mooncake(MOONCAKE_TRACE, limit=1500)
 
 

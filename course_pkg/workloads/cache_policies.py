@@ -17,7 +17,8 @@ unheld cached block they give up when a new block needs room:
                   reading order, first block first). It knows nothing of prefixes;
 * ``radix``    -- a radix tree of prefixes, SGLang's eviction: least recently used *leaf*;
 * ``belady``   -- the same tree, evicting the leaf whose next use lies farthest ahead (offline:
-                  it is given the whole future);
+                  it is given the whole future). A heuristic, not the optimum: ``optimum.py``
+                  finds better choices on small traces;
 * ``infinite`` -- never evicts: the bound every policy stays under.
 
 The block-level policies (``lru``, ``radix``, ``belady``, ``infinite``) keep one copy of a block:
@@ -265,8 +266,12 @@ class BeladyPolicy(RadixPolicy):
 
     MIN is provably optimal for a cache of independent pages of one size, one page per access.
     Here a block is worth something only while its whole prefix stays cached, and a request needs
-    all its blocks at once and holds them while it runs, so that proof does not carry over as it
-    stands: ``belady`` is a strong baseline, not a proven bound. ``infinite`` is the bound.
+    all its blocks at once and holds them while it runs, so that proof does not carry over:
+    ``belady`` is a heuristic, and not the optimum. A "use" is a chance to hit (a block as one of
+    a request's candidates); a block that comes back as a request's *last* block is computed
+    again whatever the cache holds, so keeping it can be worth nothing -- the exhaustive search
+    of ``optimum.optimal_hit_blocks`` finds traces where giving it up instead wins (chapter 11).
+    ``infinite`` is the bound.
     """
 
     name = "belady"
