@@ -20,8 +20,9 @@ from course_pkg.radix_tree import RadixCache
 from course_pkg.validation import check_token_ids
 from course_pkg.workloads.cache_policies import POLICIES, CachePolicy, RadixPolicy
 from course_pkg.workloads.replay import block_ids_of, main, replay
-from course_pkg.workloads.traces import (AZURE_CODE_TRACE, MOONCAKE_TRACE, TraceFormatError, TraceRequest,
-                                         load_azure, load_mooncake, load_trace, summarize)
+from course_pkg.workloads.traces import (AZURE_CODE_TRACE, MOONCAKE_CONVERSATION_TRACE, MOONCAKE_TRACE,
+                                         TraceFormatError, TraceRequest, load_azure, load_mooncake, load_trace,
+                                         summarize)
 
 ONLINE = ["vllm", "forward", "lru", "radix"]
 
@@ -42,6 +43,16 @@ def test_the_shipped_mooncake_trace_loads_with_its_documented_shape():
     assert load_mooncake(MOONCAKE_TRACE, limit=5) == trace[:5]
     s = summarize(trace)
     assert (s.num_blocks, s.num_distinct_blocks, s.max_request_blocks) == (121_877, 43_924, 374)
+
+
+def test_the_shipped_conversation_trace_loads_with_its_documented_shape():
+    trace = load_mooncake(MOONCAKE_CONVERSATION_TRACE)
+    assert len(trace) == 12_031
+    assert all(len(r.hash_ids) == math.ceil(r.input_length / 512) for r in trace)
+    assert [r.timestamp_ms for r in trace] == sorted(r.timestamp_ms for r in trace)
+    s = summarize(trace)
+    assert (s.num_blocks, s.num_distinct_blocks) == (288_500, 182_790)   # data/README.md's figures
+    assert trace[-1].timestamp_ms - trace[0].timestamp_ms <= 3600 * 1000  # one hour
 
 
 def test_the_shipped_azure_trace_loads_with_times_from_the_first_request():

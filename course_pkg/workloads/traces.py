@@ -7,7 +7,8 @@
 * Azure (Splitwise, ISCA 2024; CSV): ``TIMESTAMP,ContextTokens,GeneratedTokens``. Arrival times
   and lengths only: nothing says which requests share a prefix.
 
-Both files ship in ``data/`` (``data/README.md`` has their licenses). The other traces the two
+The files ship in ``data/`` (``data/README.md`` has their licenses): Mooncake's synthetic trace
+and its production conversation trace, and Azure's code trace. The other traces the two
 projects publish in the same formats load unchanged. A line that does not parse raises
 ``TraceFormatError`` naming the file and the line.
 
@@ -29,7 +30,8 @@ from course_pkg.validation import INT64_MAX
 
 MOONCAKE_BLOCK_SIZE = 512   # tokens per hash id in Mooncake's traces
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
-MOONCAKE_TRACE = DATA_DIR / "mooncake_synthetic_trace.jsonl"
+MOONCAKE_TRACE = DATA_DIR / "mooncake_synthetic_trace.jsonl"                  # synthetic, from public datasets
+MOONCAKE_CONVERSATION_TRACE = DATA_DIR / "mooncake_conversation_trace.jsonl"   # one hour of production traffic
 AZURE_CODE_TRACE = DATA_DIR / "azure_llm_inference_code_2023.csv"
 
 
