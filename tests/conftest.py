@@ -38,3 +38,22 @@ def hf_model():
     model = AutoModelForCausalLM.from_pretrained(str(default_model_path()), dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     return model
+
+
+@pytest.fixture(autouse=True)
+def _sigint_raises_keyboard_interrupt():
+    """The tests that send SIGINT expect Python's own handler (KeyboardInterrupt). A runner started
+    in the background of a non-interactive shell inherits SIGINT ignored (POSIX), and Python then
+    installs no handler; put it in place for the test and restore what was there."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -48,6 +48,11 @@ PRIVATE_MEMBERS: dict[tuple[str, str], str] = {
     ("course_pkg.block_manager:BlockManager", "_deallocate_block"): "mutants.TailReleaseRollbackBlockManager",
     ("course_pkg.radix_tree:RadixCache", "_is_evictable_leaf"):
         "mutants InnerEvictingRadixCache, HeldEvictingRadixCache",
+    ("course_pkg.engine.async_llm:AsyncLLM", "_process"): "streaming_labs (stub, mutants); solution of output_processor",
+    ("course_pkg.engine.async_llm:AsyncLLM", "_make_output"):
+        "streaming_labs (stub, mutants); solution of output_processor",
+    ("course_pkg.engine.async_llm", "_find_stop"): "streaming_labs.StudentAsyncLLM (docstring: a helper the stub offers)",
+    ("course_pkg.engine.async_llm", "_Delta"): "streaming_labs (mutants), graders.streaming (the engine's deltas)",
     ("course_pkg.kernels.triton_kernels", "_store_kvcache_kernel"): "solution of store_kvcache",
     ("course_pkg.kernels.triton_kernels", "_block_and_offset"): "solution of paged_attention",
     ("course_pkg.kernels.triton_kernels", "_online_softmax_step"): "solution of paged_attention",

@@ -9,6 +9,7 @@ _S = "course_pkg.labs.stubs"
 _M = "course_pkg.labs.mutants"
 _K = "course_pkg.labs.kernel_labs"
 _P = "course_pkg.labs.parallel_labs"
+_T = "course_pkg.labs.streaming_labs"
 
 _LABS = [
     Lab("block_reset", "Block.reset: a reused block starts held, empty and unregistered", 1,
@@ -196,6 +197,20 @@ _LABS = [
          "course_pkg.distributed.layers:RowParallelLinear.forward",
          "course_pkg.distributed.layers:VocabParallelEmbedding.forward"),
         task="the `forward` of `Column`, `Row` and `VocabEmbedding` (subclasses of the package's layers)"),
+    Lab("output_processor", "The output processor: a streamed completion from the engine's deltas", 13,
+        "streams by hand: DELTA pieces that add up to the text, a character split across tokens never sent "
+        "half-decoded, a stop string over three steps cut and never sent, n=2 with one completion stopped "
+        "and the engine told, an abort, CUMULATIVE and FINAL_ONLY; 300 random streams (kinds, n, stop strings, "
+        "aborts) in lockstep with the package's processor, output by output and command by command",
+        "course_pkg.engine.async_llm:AsyncLLM", f"{_T}:StudentAsyncLLM", f"{_G}.streaming:grade_output_processor",
+        {"the engine never told to stop a completion": f"{_T}:NoStopCommandAsyncLLM",
+         "no stop-string hold-back": f"{_T}:NoStopHoldBackAsyncLLM",
+         "half a character handed out": f"{_T}:ReplacementCharacterAsyncLLM",
+         "an abort left without a reason": f"{_T}:AbortUnmarkedAsyncLLM",
+         "tokens kept after the stop string": f"{_T}:TokensAfterStopAsyncLLM",
+         "DELTA resends the whole text": f"{_T}:ResendingDeltaAsyncLLM"},
+        ("course_pkg.engine.async_llm:AsyncLLM._process", "course_pkg.engine.async_llm:AsyncLLM._make_output"),
+        task="`AsyncLLM._process` and `_make_output`, the output processor"),
     Lab("rollback", "The rollback of a speculative step: give back what holds no verified token", 14,
         "speculative steps by hand (one, some, all and no drafts accepted; block sizes 1, 2, 4): the blocks "
         "kept, the free queue's order, nothing rejected registered; a shared prefix; random steps over "
