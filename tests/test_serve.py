@@ -30,6 +30,28 @@ from course_pkg.models import default_model_path
 from course_pkg.sampling_params import SamplingParams
 from course_pkg.serve import ServerThread, build_app
 
+
+def run_in_fresh_loop(coro):
+    """``asyncio.run(coro)`` in a thread of its own. The browser tests' Playwright (session-scoped,
+    on the same xdist worker when the scheduling puts them there) keeps an event loop marked as
+    running in the main thread, and ``asyncio.run`` refuses to start beside one."""
+    import threading
+
+    result = {}
+
+    def target():
+        try:
+            result["value"] = asyncio.run(coro)
+        except BaseException as e:       # handed to the test's thread, as asyncio.run would raise it
+            result["error"] = e
+
+    thread = threading.Thread(target=target, name="test-event-loop")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = dict(device="cpu", num_kvcache_blocks=256, block_size=16)
 NAME = "course-tiny"
@@ -298,7 +320,7 @@ def test_a_full_waiting_queue_is_a_503(one_torch_thread):
                     # leaving the stream aborts the long request: the two waiters run and finish
                     done = await asyncio.gather(*waiters)
                     assert [r.status_code for r in done] == [200, 200]
-            asyncio.run(scenario())
+            run_in_fresh_loop(scenario())
             assert wait_idle(llm)[0] == 64
     finally:
         llm.shutdown()
@@ -369,7 +391,7 @@ def run_all(llm: AsyncLLM, prompts, params):
 
     async def main():
         return await asyncio.gather(*[one(p) for p in prompts])
-    return asyncio.run(main())
+    return run_in_fresh_loop(main())
 
 
 def test_a_transient_step_fault_is_rolled_back_and_costs_no_request(offline, one_torch_thread):
@@ -436,7 +458,7 @@ def test_shutdown_aborts_requests_in_flight_with_a_clear_error(one_torch_thread)
                 pass
         with pytest.raises(EngineDeadError):
             await llm.add_request("Blocks")
-    asyncio.run(main())
+    run_in_fresh_loop(main())
     assert not llm.engine.has_unfinished_requests()
     assert len(llm.engine.block_manager.free_block_ids) == 80
 
@@ -465,7 +487,7 @@ def test_async_llm_output_kinds_and_cancellation(offline, one_torch_thread):
             with pytest.raises(asyncio.CancelledError):
                 await task
             return steps
-        steps = asyncio.run(main())
+        steps = run_in_fresh_loop(main())
         assert wait_idle(llm)[0] == CONFIG["num_kvcache_blocks"]
         assert llm.engine.num_steps - steps < 1500   # cancelled, not run to its end
     finally:
@@ -522,7 +544,7 @@ def test_64_streaming_clients_a_quarter_leaving(served, offline):
             await pinger
             return results, answers
 
-    results, answers = asyncio.run(main())
+    results, answers = run_in_fresh_loop(main())
     assert answers and set(answers) == {200}
     for i, result in enumerate(results):
         if i in leave_after:
@@ -612,7 +634,7 @@ def test_admission_counts_only_the_requests_waiting_beyond_free_seats(one_torch_
                 llm.abort_state(g)
         return kinds
     try:
-        kinds = asyncio.run(main())
+        kinds = run_in_fresh_loop(main())
         assert kinds == ["RequestState"] * 5 + ["QueueFullError"], kinds
         assert wait_idle(llm)[0] == 128
     finally:
@@ -635,7 +657,7 @@ def test_an_add_racing_shutdown_is_refused_never_left_hanging(one_torch_thread, 
     async def main():
         with pytest.raises(EngineDeadError):
             await asyncio.wait_for(llm.add_request("Blocks"), timeout=5)
-    asyncio.run(main())
+    run_in_fresh_loop(main())
 
 
 def test_shutdown_never_closes_the_engine_under_a_running_step(one_torch_thread):
@@ -668,7 +690,7 @@ def test_shutdown_never_closes_the_engine_under_a_running_step(one_torch_thread)
         with pytest.raises(EngineDeadError):
             await task
     try:
-        asyncio.run(main())
+        run_in_fresh_loop(main())
         assert closed == [True]
     finally:
         release.set()
@@ -700,7 +722,7 @@ def test_the_load_client_counts_from_the_planned_arrival_and_reports_its_lag():
 
     result = RequestResult(arrival=0.0)
     late_start = time.perf_counter() - 0.5   # the client gets to this request half a second late
-    asyncio.run(_one(FakeHTTP(), {"prompt": "x"}, result, late_start))
+    run_in_fresh_loop(_one(FakeHTTP(), {"prompt": "x"}, result, late_start))
     assert result.ok and result.num_tokens == 2
     assert 0.5 <= result.send_lag < 5
     assert result.ttft >= result.send_lag   # the user waited since the planned arrival, not since the send
@@ -778,7 +800,7 @@ def test_a_completion_ended_by_a_stop_string_stops_generating_while_its_sibling_
         outs = [o async for o in llm.outputs(state)]
         return state, outs[-1]
     try:
-        state, out = asyncio.run(main())
+        state, out = run_in_fresh_loop(main())
         assert [(c.text, c.finish_reason) for c in out.outputs] == [(cut, "stop"), (second, "length")]
         stopped = state.seq if state.seq.index == 0 else state.seq.children[0]
         assert stopped.finish_reason == "abort"   # the engine stopped it ...
@@ -801,7 +823,7 @@ def test_streamed_logprobs_are_each_tokens_own_also_for_a_speculative_step(one_t
     try:
         async def main():
             return [o async for o in llm.generate(prompt, params, output_kind=RequestOutputKind.DELTA)]
-        outs = asyncio.run(main())
+        outs = run_in_fresh_loop(main())
         spec_steps = llm.engine.get_metrics().spec_decode_num_accepted_tokens
     finally:
         llm.shutdown()
