@@ -173,8 +173,10 @@ class BlockManager:
         self._next_prefix_id = 0
         self._prefix_sweep_at = 2 * num_blocks + 4096   # see _sweep_prefix_ids
 
-    # The hash function is reachable from the manager, as in Nano-vLLM.
+    # The hash function is reachable from the manager, as in Nano-vLLM; so is where a
+    # request's chain starts (chapter 12), so that a subclass can change either.
     compute_hash = staticmethod(compute_hash)
+    salt_hash = staticmethod(salt_hash)
 
     @property
     def num_blocks(self) -> int:
@@ -209,7 +211,7 @@ class BlockManager:
         hashes: list[int] = []
         if not self.enable_prefix_caching:
             return block_ids, hashes
-        h = salt_hash(seq.cache_salt)   # -1 without a salt
+        h = self.salt_hash(seq.cache_salt)   # -1 without a salt
         parent_prefix_id = -1
         for i in range((seq.num_tokens - 1) // self.block_size):
             token_ids = seq.block(i)
@@ -559,7 +561,7 @@ class BlockManager:
             raise ValueError(f"{name}={num_computed_tokens!r}: sequence {seq.seq_id} has "
                              f"{seq.num_tokens} tokens, so between 0 and {seq.num_tokens} can be computed")
         num_full = min(num_computed_tokens // self.block_size, len(seq.block_table))
-        h = seq.block_hashes[-1] if seq.block_hashes else salt_hash(seq.cache_salt)
+        h = seq.block_hashes[-1] if seq.block_hashes else self.salt_hash(seq.cache_salt)
         for i in range(len(seq.block_hashes), num_full):
             token_ids = seq.block(i)
             salt = seq.cache_salt if i == 0 else None   # a first block carries its salt

@@ -416,6 +416,28 @@ def test_cli_grades_only_the_files_own_code_and_confirms_every_pass(case, tmp_pa
     assert not (tmp_path / "case.py.out").exists()
 
 
+SALT_FILE = ("import course_pkg, hashlib\nfrom course_pkg import BlockManager\n\n"
+             "class StudentSaltBlockManager(BlockManager):\n"
+             "    @staticmethod\n    def salt_hash(cache_salt):\n        return {body}\n\n"
+             "    def _confirms_hit(self, block, token_ids, parent_prefix_id, cache_salt=None):\n"
+             "        return (block.token_ids == token_ids and block.parent_prefix_id == parent_prefix_id\n"
+             "                and block.cache_salt == cache_salt)\n")
+
+
+@pytest.mark.parametrize(("body", "passes"), [
+    ("-1 if cache_salt is None else int.from_bytes(hashlib.sha256(cache_salt.encode()).digest()[:8], 'big')", True),
+    ("course_pkg.salt_hash(cache_salt)", False),                         # the package's, under its export
+    ("BlockManager.salt_hash(cache_salt)", False),                       # the package's, through the class
+])
+def test_cli_guards_a_static_method_part_under_every_name_the_package_gives_it(body, passes, tmp_path):
+    path = tmp_path / "salt.py"
+    path.write_text(SALT_FILE.format(body=body))
+    result = _cli("cache_salt", str(path))
+    assert (result.returncode == 0) == passes, result.stdout + result.stderr
+    if not passes:
+        assert "called the package's own BlockManager.salt_hash" in result.stdout, result.stdout
+
+
 def test_cli_refuses_the_packages_kernel_under_the_stubs_name(tmp_path):
     path = tmp_path / "kernel.py"
     path.write_text("from course_pkg.kernels.triton_kernels import _store_kvcache_kernel as student_store_kvcache_kernel\n")
@@ -515,7 +537,7 @@ def test_misuse_of_the_registry_is_named():
 
 #: Chapters built lab first: no cell before a lab's section shows the body the lab asks for.
 #: Every chapter with a lab (test_every_chapter_with_a_lab_is_built_first keeps it so).
-BUILD_FIRST_CHAPTERS = ("01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "13", "14")
+BUILD_FIRST_CHAPTERS = ("01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13", "14")
 
 
 def _given_helpers(lab) -> set[str]:

@@ -31,6 +31,8 @@ def test_wilson_interval_matches_published_values():
     assert wilson_interval(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
     assert wilson_interval(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
     assert wilson_interval(25, 200)[0] < 0.125 < wilson_interval(25, 200)[1]
+    for n in range(1, 200):        # the bounds at 0 and n successes are 0 and 1, never printed "-0.00"
+        assert wilson_interval(0, n)[0] == 0.0 and wilson_interval(n, n)[1] == 1.0
     with pytest.raises(ValueError):
         wilson_interval(1, 0)
 

@@ -11,7 +11,9 @@ package's version would pass without a line written. In the grading child
 * **each is guarded** (``install_guards``): the package's method is replaced, on its class, by
   one that runs it as before when the grader or the package calls it, and raises
   ``ReferenceUnavailable`` when code of the graded file is on the call stack (``super()``, a
-  call through the class, an instance of the package's class held by the file);
+  call through the class, an instance of the package's class held by the file); a function
+  is guarded under every name a package module gives it (``course_pkg.salt_hash`` is the function
+  behind the static method ``BlockManager.salt_hash``);
 * **its source is unreadable** (``install_audit_hook``): while code of the graded file runs,
   opening a source or bytecode file of a loaded package module raises ``PermissionError``
   (``inspect.getsource``, ``open``, ``importlib.reload``, a loader: they all open the file, and
@@ -151,13 +153,29 @@ def install_guards(parts: list[Part], from_graded_file) -> dict:
     for part in parts:
         value = inspect.getattr_static(part.owner, part.name)
         if isinstance(value, types.FunctionType):
-            setattr(part.owner, part.name, _guard(value, part.label, from_graded_file))
+            guarded = _guard(value, part.label, from_graded_file)
+            setattr(part.owner, part.name, guarded)
+            _rebind(value, guarded)
+        elif isinstance(value, staticmethod):       # BlockManager.salt_hash: a module's function too
+            guarded = _guard(value.__func__, part.label, from_graded_file)
+            setattr(part.owner, part.name, staticmethod(guarded))
+            _rebind(value.__func__, guarded)
         elif isinstance(value, property) and value.fget is not None:
             setattr(part.owner, part.name, property(_guard(value.fget, part.label, from_graded_file),
                                                     value.fset, value.fdel, value.__doc__))
         # A Triton kernel is left as it is: the static check below still refuses it re-exported.
     protected[_GUARD_CODE] = None                  # a guard: named by the part it stands for
     return protected
+
+
+def _rebind(fn, guarded) -> None:
+    """Every other name a loaded package module gives ``fn`` (``course_pkg.salt_hash``, the
+    function behind ``BlockManager.salt_hash``) now names its guard."""
+    for name, module in list(sys.modules.items()):
+        if name == "course_pkg" or name.startswith("course_pkg."):
+            for attr, value in list(vars(module).items()):
+                if value is fn:
+                    setattr(module, attr, guarded)
 
 
 def _name_of(value) -> str:

@@ -19,8 +19,9 @@ PRIVATE_MEMBERS: dict[tuple[str, str], str] = {
         "stubs.StudentPrefixBlockManager, StudentAllocateBlockManager (docstring); "
         "mutants.LastBlockHitBlockManager; solution of prefix_caching",
     ("course_pkg.block_manager:BlockManager", "_confirms_hit"):
-        "stubs.StudentPrefixBlockManager (docstring); mutants NoTokenCheckBlockManager, "
-        "LastBlockHitBlockManager; foils.TokenCheckBlockManager (a mutant); solution of prefix_caching",
+        "stubs.StudentPrefixBlockManager (docstring), StudentSaltBlockManager; mutants NoTokenCheckBlockManager, "
+        "LastBlockHitBlockManager, UncheckedSaltBlockManager, SaltOnlyIfGivenBlockManager; "
+        "foils.TokenCheckBlockManager (a mutant); solutions of prefix_caching and cache_salt",
     ("course_pkg.block_manager:BlockManager", "_prefix_id_for"):
         "stubs.StudentPrefixBlockManager (docstring); solution of prefix_caching",
     ("course_pkg.block_manager:BlockManager", "_maybe_evict_cached_block"):

@@ -112,10 +112,10 @@ class Lockstep:
 
     # ------------------------------------------------------------------ sequences
 
-    def seq(self, name: str, token_ids: list[int]) -> None:
-        """A new request named ``name`` (one Sequence per manager)."""
-        self.ref_seqs[name] = Sequence(list(token_ids), block_size=self.block_size)
-        self.my_seqs[name] = Sequence(list(token_ids), block_size=self.block_size)
+    def seq(self, name: str, token_ids: list[int], cache_salt: str | None = None) -> None:
+        """A new request named ``name`` (one Sequence per manager), with ``cache_salt`` if given."""
+        self.ref_seqs[name] = Sequence(list(token_ids), block_size=self.block_size, cache_salt=cache_salt)
+        self.my_seqs[name] = Sequence(list(token_ids), block_size=self.block_size, cache_salt=cache_salt)
 
     def append_token(self, name: str, token_id: int) -> None:
         """A decode step sampled ``token_id`` for ``name`` (no manager call)."""
@@ -215,15 +215,17 @@ def _short(value, limit: int = 160) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def random_trace(lock: Lockstep, seed: int, steps: int, *, decode: bool = True, forks: bool = False) -> None:
+def random_trace(lock: Lockstep, seed: int, steps: int, *, decode: bool = True, forks: bool = False,
+                 salts: tuple = (None,)) -> None:
     """``steps`` seeded random legal calls on both managers, compared after each one.
 
     Prompts share a random part of one "system prompt" and end in tokens drawn from a tiny
     vocabulary (so whole blocks repeat after different prefixes); admitted prompts are computed
     at once; running sequences decode (or, without a free block, are released as a scheduler
     would preempt them); some finish and are released; with ``forks``, running sequences fork
-    (and their copy-on-write copies are compared). Decisions follow the managers' answers,
-    which the lockstep has already checked to be equal.
+    (and their copy-on-write copies are compared); each new request takes one of ``salts`` as
+    its ``cache_salt``. Decisions follow the managers' answers, which the lockstep has already
+    checked to be equal.
     """
     import random
 
@@ -237,7 +239,7 @@ def random_trace(lock: Lockstep, seed: int, steps: int, *, decode: bool = True, 
             name = f"S{n}"
             tokens = system[:rng.randrange(0, len(system) + 1)]
             tokens += [rng.randrange(1000, 1003) for _ in range(rng.randrange(1, 2 * bs + 1))]
-            lock.seq(name, tokens)
+            lock.seq(name, tokens, rng.choice(salts) if len(salts) > 1 else salts[0])
             hits = lock.call("can_allocate", name)
             if hits >= 0:
                 # Sometimes fewer hits than found: more fresh blocks, which may not fit (then

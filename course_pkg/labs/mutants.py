@@ -709,6 +709,47 @@ class NoTouchRadixCache(RadixCache):
         return super().match_prefix(keys, touch=False)
 
 
+# ---------------------------------------------------------------- chapter 12: the cache salt
+
+class NoSaltBlockManager(BlockManager):
+    """Every chain starts at -1: the salt is left out of the hash (only the exact check separates salts)."""
+
+    @staticmethod
+    def salt_hash(cache_salt):
+        return -1
+
+
+class BuiltinHashSaltBlockManager(BlockManager):
+    """Python's ``hash``: negative for about half the salts, and another value in every process."""
+
+    @staticmethod
+    def salt_hash(cache_salt):
+        return -1 if cache_salt is None else hash(cache_salt)
+
+
+class OneStartSaltBlockManager(BlockManager):
+    """A salted request's chain starts at one value whatever its salt."""
+
+    @staticmethod
+    def salt_hash(cache_salt):
+        return -1 if cache_salt is None else 0
+
+
+class UncheckedSaltBlockManager(BlockManager):
+    """The exact check compares tokens and parent, not the salt: a hash collision crosses salts."""
+
+    def _confirms_hit(self, block, token_ids, parent_prefix_id, cache_salt=None):
+        return block.token_ids == token_ids and block.parent_prefix_id == parent_prefix_id
+
+
+class SaltOnlyIfGivenBlockManager(BlockManager):
+    """The salt is checked only when the request has one: an unsalted request may hit a salted block."""
+
+    def _confirms_hit(self, block, token_ids, parent_prefix_id, cache_salt=None):
+        return (block.token_ids == token_ids and block.parent_prefix_id == parent_prefix_id
+                and (cache_salt is None or block.cache_salt == cache_salt))
+
+
 # ---------------------------------------------------------------- chapter 14: the rollback
 
 class FloorKeepRollbackBlockManager(BlockManager):

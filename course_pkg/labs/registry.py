@@ -211,6 +211,20 @@ _LABS = [
          "DELTA resends the whole text": f"{_T}:ResendingDeltaAsyncLLM"},
         ("course_pkg.engine.async_llm:AsyncLLM._process", "course_pkg.engine.async_llm:AsyncLLM._make_output"),
         task="`AsyncLLM._process` and `_make_output`, the output processor"),
+    Lab("cache_salt", "The salt in the hash chain, and in the exact check", 12,
+        "salt_hash's contract (-1 without a salt; for each salt a distinct int in [0, 2**64), the same every "
+        "call); by hand: an unsalted chain is chapter 04's, a salted one starts at the salt's hash, the same "
+        "salt shares and another or none shares nothing; forced collisions (every salt's chain starting alike, "
+        "a salted chain starting where the unsalted one does); random salted calls in lockstep",
+        "course_pkg.block_manager:BlockManager", f"{_S}:StudentSaltBlockManager", f"{_G}.salt:grade_cache_salt",
+        {"no salt in the hash": f"{_M}:NoSaltBlockManager",
+         "Python's hash()": f"{_M}:BuiltinHashSaltBlockManager",
+         "one chain start for every salt": f"{_M}:OneStartSaltBlockManager",
+         "the salt not checked on a hit": f"{_M}:UncheckedSaltBlockManager",
+         "an unsalted request may hit a salted block": f"{_M}:SaltOnlyIfGivenBlockManager"},
+        ("course_pkg.block_manager:salt_hash", "course_pkg.block_manager:BlockManager._confirms_hit"),
+        task="`BlockManager.salt_hash` (where a request's hash chain starts) and `_confirms_hit` (the exact "
+             "check behind a hash hit, the salt included)"),
     Lab("rollback", "The rollback of a speculative step: give back what holds no verified token", 14,
         "speculative steps by hand (one, some, all and no drafts accepted; block sizes 1, 2, 4): the blocks "
         "kept, the free queue's order, nothing rejected registered; a shared prefix; random steps over "

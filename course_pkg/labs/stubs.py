@@ -292,6 +292,35 @@ class StudentRadixCache(RadixCache):
         ...
 
 
+# ---------------------------------------------------------------- chapter 12
+
+class StudentSaltBlockManager(BlockManager):
+    """Lab ``cache_salt``: a request's salt starts its hash chain, and every hit checks it.
+
+    Kept from the package: ``_match_prefix`` and ``hash_blocks``, which start a request's chain
+    at ``self.salt_hash(seq.cache_salt)`` and chain each block on the one before (chapter 04);
+    a registered first block keeps its request's salt in ``block.cache_salt`` (later blocks keep
+    ``None``: they inherit the salt through the chain).
+    """
+
+    @staticmethod
+    def salt_hash(cache_salt: str | None) -> int:
+        """Where the hash chain of a request with ``cache_salt`` starts. ``-1`` (no parent) without
+        a salt, so that unsalted hashes stay chapter 04's. For a salt: a hash of it, an int in
+        ``[0, 2**64)`` (it is packed as 8 unsigned bytes, like a parent's hash), different for
+        different salts and the same in every process -- use ``xxhash`` or ``hashlib``, not
+        Python's ``hash``, which is randomised per process."""
+        ...
+
+    def _confirms_hit(self, block: Block, token_ids: list[int], parent_prefix_id: int,
+                      cache_salt: str | None = None) -> bool:
+        """The exact check behind a hash hit: does ``block`` hold ``token_ids`` right after the prefix
+        whose id is ``parent_prefix_id``, for a request with salt ``cache_salt``? (``_match_prefix``
+        passes the request's salt for its first block, ``None`` for later ones; a block has
+        ``token_ids``, ``parent_prefix_id`` and ``cache_salt``.) A hash only finds a candidate."""
+        ...
+
+
 # ---------------------------------------------------------------- chapter 14
 
 class StudentRollbackBlockManager(BlockManager):

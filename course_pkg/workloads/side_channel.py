@@ -152,7 +152,8 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     p = successes / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return centre - half, centre + half
+    # At 0 and n successes the bounds are 0 and 1 exactly (the formula gives them up to rounding).
+    return (0.0 if successes == 0 else centre - half), (1.0 if successes == n else centre + half)
 
 
 def roc_auc(positives: list[float], negatives: list[float]) -> float:
