@@ -125,7 +125,6 @@ def counted():
     return result
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("config", list(SWEEP))
 def test_a_fault_at_any_line_of_a_step_leaves_no_half_open_step_and_loses_no_output(counted, config, kind):
