@@ -36,11 +36,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from itertools import repeat
 
+from course_pkg.beam_search import BeamSearch, BeamStep
 from course_pkg.block import Block
 from course_pkg.block_manager import BlockManager, PrefixCacheStats
 from course_pkg.free_block_queue import FreeBlockQueue
 from course_pkg.policies import (AdmissionPolicy, PreemptionPolicy, StepBuilder, make_admission_policy,
                                  make_preemption_policy)
+from course_pkg.sampling_params import BeamSearchParams
 from course_pkg.sequence import Sequence, SequenceStatus, check_transition
 from course_pkg.swap import CpuBlockPool
 from course_pkg.undo import Journal, journal_of, share
@@ -114,6 +116,11 @@ class SchedulerOutput:
     ``scheduled_spec_decode_tokens[i]`` are then the drafts to verify (vLLM's name), exactly
     one per lookahead slot.
 
+    Beam search (chapter 08): ``num_logprobs[i]`` is how many of its most likely next tokens,
+    with their log-probabilities, the runner returns for a beam that samples in this step
+    (``2 * beam_width``; 0 for a chunk of the root's prompt and for any other sequence; empty
+    when no beam search runs) -- vLLM's ``SamplingParams.logprobs``.
+
     The value is frozen; the sequences in it are the live objects, whose tokens and block
     tables the model runner reads -- nothing changes them between ``schedule`` and
     ``update_from_output``.
@@ -132,6 +139,7 @@ class SchedulerOutput:
     registered_blocks: tuple[int, ...] = ()
     num_lookahead_tokens: tuple[int, ...] = ()
     scheduled_spec_decode_tokens: tuple[tuple[int, ...], ...] = ()
+    num_logprobs: tuple[int, ...] = ()
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -243,6 +251,7 @@ class Scheduler:
         self.spec_decoding_stats = SpecDecodingStats(num_lookahead_tokens)
         self.same_step_prefix_hits = same_step_prefix_hits
         self.cpu_pool: CpuBlockPool | None = self.preemption.cpu_pool
+        self.beam_searches: dict[int, BeamSearch] = {}   # request id -> its beam search (chapter 08)
         self.num_steps = 0
         # The step's transaction: from here on, every change to this scheduler and what it holds
         # (the block manager, its blocks, the CPU pool, the sequences) is journaled by itself.
@@ -260,16 +269,18 @@ class Scheduler:
 
     # ---------------------------------------------------------------- requests
 
-    def max_blocks_needed(self, seq: Sequence) -> int:
+    def max_blocks_needed(self, seq: Sequence, n: int | None = None) -> int:
         """Blocks ``seq``'s request holds at its longest: every token but the last one generated
         is stored (the final token is sampled and returned, never fed back).
 
-        With ``n`` completions, the full blocks of the prompt are shared by all of them and
-        every completion holds the rest on its own.
+        With ``n`` completions (default: its ``SamplingParams.n``; a beam search's
+        ``beam_width``), the full blocks of the prompt are shared by all of them and every
+        completion holds the rest on its own.
         """
+        n = seq.sampling_params.n if n is None else n
         per_completion = (self._final_len(seq) - 1 + self.block_size - 1) // self.block_size
         shared = min(seq.num_prompt_tokens // self.block_size, per_completion)
-        return shared + seq.sampling_params.n * (per_completion - shared)
+        return shared + n * (per_completion - shared)
 
     def _final_len(self, seq: Sequence) -> int:
         """The most tokens ``seq`` can reach: its prompt plus ``max_tokens``, within ``max_model_len``."""
@@ -288,6 +299,9 @@ class Scheduler:
         seqs = list(seqs)
         for seq in seqs:
             self.check(seq)
+        if self.beam_searches:
+            raise RuntimeError("a beam search is running: it runs alone (its beams step together); "
+                               "let it finish or abort it first")
         if len({id(s) for s in seqs}) != len(seqs):
             raise ValueError("the same sequence appears twice among the requests to add")
         with self._transaction(opens="add a request", commits=True):
@@ -298,7 +312,49 @@ class Scheduler:
             if then is not None:
                 then()
 
-    def check(self, seq: Sequence) -> None:
+    def add_beam_search(self, seq: Sequence, params: BeamSearchParams, *, then=None) -> BeamSearch:
+        """Queue ``seq`` as the root of a beam search of ``params.beam_width`` beams (chapter 08;
+        :mod:`course_pkg.beam_search`), and return the search. ``then(search)``, if given, runs
+        inside the same transaction, as in ``add_all``.
+
+        The search runs alone: it is refused while anything else waits or runs, and nothing is
+        added beside it. So that its beams always step together, it is also refused unless all
+        ``beam_width`` of them, at their longest, fit in the pool, in ``max_num_seqs`` and in
+        one step's ``max_num_batched_tokens``.
+        """
+        self.check_beam_search(seq, params)
+        search = BeamSearch(seq, params, self.eos_token_ids)
+        with self._transaction(opens="add a request", commits=True):
+            self.waiting.append(seq)
+            seq.submitted = True
+            self.stats.prompt_tokens += seq.num_prompt_tokens
+            self.beam_searches[seq.request_id] = search
+            if then is not None:
+                then(search)
+        return search
+
+    def check_beam_search(self, seq: Sequence, params: BeamSearchParams) -> None:
+        """Raise unless ``add_beam_search(seq, params)`` would queue it; change nothing."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        k = params.beam_width
+        self.check(seq, n=k)
+        if seq.max_tokens != params.max_tokens or seq.sampling_params.n != 1:
+            raise ValueError(f"the root of a beam search samples one token at a time up to max_tokens="
+                             f"{params.max_tokens}: its SamplingParams have n={seq.sampling_params.n}, "
+                             f"max_tokens={seq.max_tokens}")
+        if self.max_model_len is not None and seq.num_prompt_tokens + params.max_tokens > self.max_model_len:
+            raise ValueError(f"the prompt's {seq.num_prompt_tokens} tokens plus max_tokens={params.max_tokens} "
+                             f"exceed max_model_len={self.max_model_len}: every hypothesis is max_tokens long "
+                             f"unless it stops")
+        if k > self.max_num_batched_tokens:
+            raise ValueError(f"beam_width={k} beams decode together, but a step computes at most "
+                             f"max_num_batched_tokens={self.max_num_batched_tokens} tokens")
+        if not self.is_finished() or self.beam_searches:
+            raise RuntimeError("a beam search runs alone (its beams step together): finish or abort "
+                               "the queued requests first")
+
+    def check(self, seq: Sequence, n: int | None = None) -> None:
         """Raise ``ValueError`` if ``seq`` cannot be added; change nothing either way.
 
         A sequence that needs more blocks than the whole pool would preempt itself forever,
@@ -320,11 +376,11 @@ class Scheduler:
             raise ValueError(f"prompt of sequence {seq.seq_id} has {seq.num_prompt_tokens} tokens; "
                              f"max_model_len={self.max_model_len} leaves no room to generate "
                              f"(the prompt must be shorter than max_model_len)")
-        n = seq.sampling_params.n
+        n = seq.sampling_params.n if n is None else n   # (a beam search's: its beam_width)
         if n > self.max_num_seqs:
             raise ValueError(f"sequence {seq.seq_id} asks for n={n} completions, but max_num_seqs="
                              f"{self.max_num_seqs} sequences can run at once; use n <= max_num_seqs")
-        needed = self.max_blocks_needed(seq)
+        needed = self.max_blocks_needed(seq, n)
         if needed > self.block_manager.num_blocks:
             raise ValueError(
                 f"sequence {seq.seq_id} can never fit in the KV cache: its prompt ({seq.num_prompt_tokens} "
@@ -346,6 +402,8 @@ class Scheduler:
         """Finish ``seq`` as FINISHED_ABORTED, releasing its blocks (a transaction of its own;
         ``then()``, if given, runs inside it, as in ``add_all``).
 
+        Aborting a beam of a beam search aborts the search: all its beams, at once.
+
         Raises ``ValueError`` for a sequence this scheduler does not hold, and
         ``RuntimeError`` while a step is open.
         """
@@ -353,12 +411,16 @@ class Scheduler:
             raise ValueError(f"sequence {seq.seq_id} is not held by this scheduler "
                              f"(never added, or already finished)")
         with self._transaction(opens="abort a request", commits=True):
-            if seq.block_table:
-                self.block_manager.deallocate(seq)
-            self.preemption.release(seq)
-            seq.num_scheduled_tokens = 0
-            (self.running if seq in self.running else self.waiting).remove(seq)
-            self._set_status(seq, SequenceStatus.FINISHED_ABORTED)
+            search = self.beam_searches.pop(seq.request_id, None)
+            for s in search.beams if search is not None else [seq]:
+                if s.block_table:
+                    self.block_manager.deallocate(s)
+                self.preemption.release(s)
+                s.num_scheduled_tokens = 0
+                (self.running if s in self.running else self.waiting).remove(s)
+                self._set_status(s, SequenceStatus.FINISHED_ABORTED)
+            if search is not None:
+                search.beams = []
             if then is not None:
                 then()
 
@@ -395,7 +457,10 @@ class Scheduler:
                 if self.num_lookahead_tokens else (),
                 scheduled_spec_decode_tokens=tuple(tuple(plan.scheduled_spec_decode_tokens.get(s.seq_id, ()))
                                                    for s in plan.seqs)
-                if self.proposer is not None else ())
+                if self.proposer is not None else (),
+                num_logprobs=tuple(self.beam_searches[s.request_id].num_logprobs
+                                   if s.request_id in self.beam_searches and self._num_samples(s) else 0
+                                   for s in plan.seqs) if self.beam_searches else ())
         return out
 
     def _schedule_prompts(self, plan: StepPlan, budget: int) -> int:
@@ -605,7 +670,8 @@ class Scheduler:
             token_ids, logprobs = _results(model_runner_output)
             self._check_results(out, token_ids, logprobs)
             drafts = self._check_drafts(out, token_ids, getattr(model_runner_output, "draft_token_ids", None))
-            return self._record(out, token_ids, logprobs, drafts)
+            top_logprobs = self._check_top_logprobs(out, getattr(model_runner_output, "top_logprobs", None))
+            return self._record(out, token_ids, logprobs, drafts, top_logprobs)
 
     def commit_step(self) -> None:
         """Commit the step that ``update_from_output(..., commit=False)`` recorded."""
@@ -613,10 +679,11 @@ class Scheduler:
             raise RuntimeError("no step is open")
         self.journal.commit()
 
-    def _record(self, out: SchedulerOutput, token_ids, logprobs, drafts=None) -> list[Sequence]:
+    def _record(self, out: SchedulerOutput, token_ids, logprobs, drafts=None, top_logprobs=None) -> list[Sequence]:
         bm = self.block_manager
         finished: list[Sequence] = []
         num_generated = 0
+        beam_rows: dict[int, dict[int, list]] = {}   # beam search -> its beams' candidates, by seq_id
         for i, seq in enumerate(out.seqs):
             if out.num_lookahead_tokens and out.num_lookahead_tokens[i]:
                 num_generated += self._record_speculative(seq, token_ids[i], logprobs and logprobs[i],
@@ -628,6 +695,9 @@ class Scheduler:
             tokens = token_ids[i]
             if not tokens:   # a chunk of a prompt: nothing sampled yet
                 continue
+            if out.num_logprobs and out.num_logprobs[i]:   # a beam: its search chooses, below
+                beam_rows.setdefault(seq.request_id, {})[seq.seq_id] = top_logprobs[i]
+                continue
             group = ([seq] + self._fork(seq, len(tokens) - 1)) if out.num_samples[i] > 1 else [seq]
             num_generated += len(tokens)
             for s, t, lp in zip(group, tokens, logprobs[i] if logprobs is not None else repeat(0.0)):
@@ -638,6 +708,8 @@ class Scheduler:
                     self.running.remove(s)
                     self._set_status(s, status)
                     finished.append(s)
+        for request_id, rows in beam_rows.items():
+            num_generated += self._step_beams(self.beam_searches[request_id], rows, out.blocks_to_copy, finished)
         self.stats.generation_tokens += num_generated
         # Speculation: blocks past the last verified token (rejected drafts, unused slots) go back.
         for seq, lookahead in zip(out.seqs, out.num_lookahead_tokens):
@@ -700,6 +772,55 @@ class Scheduler:
         seq.children = children
         return children
 
+    def _step_beams(self, search: BeamSearch, rows: dict[int, list], copies, finished: list[Sequence]) -> int:
+        """One step of a beam search (chapter 08): ``search.rank`` the candidates of its beams
+        (``rows``, by seq_id), then rebuild the beams on the block manager; returns the tokens
+        appended. A beam chosen once keeps its sequence, a beam chosen ``m`` times is forked
+        ``m - 1`` times, placed right after it in ``running`` (a fork shares every block, the
+        partial last one too); a beam not chosen -- every beam, when the search stops -- is
+        dropped: it finishes as aborted and joins ``finished``, whose blocks ``_record`` releases
+        after the forks, so a block a fork still shares stays alive."""
+        beams = search.beams
+        if sorted(rows) != sorted(b.seq_id for b in beams):
+            raise RuntimeError(f"beam search {search.request_id}: its beams {sorted(b.seq_id for b in beams)} step "
+                               f"together, but this step computed {sorted(rows)}")
+        held = {block for beam in beams for block in beam.block_table}
+        copies = tuple((src, dst) for src, dst in copies if dst in held)   # the copies made for these beams
+        for beam in beams:
+            self.block_manager.hash_blocks(beam)   # (before the forks, which copy the hashes)
+        ranking = search.rank([rows[b.seq_id] for b in beams])
+        chosen: dict[int, list[tuple[float, int]]] = {}
+        for score, b, token in ([] if ranking.stop else ranking.running):
+            chosen.setdefault(b, []).append((score, token))
+        next_beams, kept = [], []
+        for b, choices in chosen.items():
+            parent = beams[b]
+            children = [parent.fork(parent.index) for _ in choices[1:]]
+            at = self.running.index(parent) + 1
+            for j, child in enumerate(children):
+                self.block_manager.fork(parent, child)
+                self.running.insert(at + j, child)
+            for seq, (score, token) in zip([parent] + children, choices):
+                seq.append_token(token)
+                seq.cumulative_logprob = score
+                next_beams.append((score, seq))
+                kept.append((seq.seq_id, parent.seq_id, token))
+        dropped = [beam for b, beam in enumerate(beams) if b not in chosen]
+        for beam in dropped:
+            self.running.remove(beam)
+            self._set_status(beam, SequenceStatus.FINISHED_ABORTED)
+            finished.append(beam)
+        next_beams.sort(key=lambda pair: -pair[0])   # best first, as the candidates were
+        search.beams = [seq for _, seq in next_beams]
+        search.scores = [score for score, _ in next_beams]
+        search.finished = ranking.finished
+        search.steps.append(BeamStep(step=len(search.steps) + 1, kept=tuple(kept),
+                                     pruned=tuple(b.seq_id for b in dropped), finished=tuple(ranking.ended),
+                                     copies=copies))
+        if ranking.stop:
+            del self.beam_searches[search.request_id]
+        return len(next_beams)
+
     def _finish_status(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
         """Why ``seq`` finishes with ``token_id`` as its newest token, or None if it goes on."""
         if not seq.ignore_eos and token_id in self.eos_token_ids:
@@ -731,6 +852,21 @@ class Scheduler:
                 if type(t) is not int or t < 0:   # (not a bool, not a float)
                     raise ValueError(f"sequence {seq.seq_id}: sampled token {t!r} is not a token id "
                                      f"(an integer >= 0)")
+
+    def _check_top_logprobs(self, out: SchedulerOutput, top_logprobs) -> list | None:
+        """The candidates of the step's beams (``ModelRunnerOutput.top_logprobs``), checked: per
+        beam 1 to ``num_logprobs`` ``(token id, log-probability)`` pairs. Raises ``ValueError``
+        otherwise; changes nothing."""
+        if not any(out.num_logprobs):
+            return None
+        if top_logprobs is None or len(top_logprobs) != len(out.seqs):
+            raise ValueError("a step with beams needs each beam's most likely next tokens "
+                             "(ModelRunnerOutput.top_logprobs)")
+        for seq, k, row in zip(out.seqs, out.num_logprobs, top_logprobs):
+            if k and (not 1 <= len(row) <= k or not all(
+                    isinstance(p, tuple) and len(p) == 2 and type(p[0]) is int and isinstance(p[1], float) for p in row)):
+                raise ValueError(f"beam {seq.seq_id}: expected 1 to {k} (token id, log-probability) pairs, got {row!r}")
+        return top_logprobs
 
     def _check_drafts(self, out: SchedulerOutput, token_ids, drafts) -> list[list[int]] | None:
         """The drafts verified per sequence, checked against the step and its results: at most
@@ -830,7 +966,7 @@ class Scheduler:
 #: What a step may change: the journal enrols the instances of these classes (subclasses too)
 #: that a Scheduler holds, and nothing else.
 STEP_STATE = (Scheduler, SchedulerStats, SpecDecodingStats, BlockManager, Block, FreeBlockQueue, PrefixCacheStats,
-              CpuBlockPool, Sequence, PreemptionPolicy)
+              CpuBlockPool, Sequence, PreemptionPolicy, BeamSearch)
 share(Sequence._ids)   # the ids of new sequences: a fork undone gives its id back
 
 

@@ -408,6 +408,89 @@ def test_beam_search_equals_hugging_face(which, k, ignore_eos, random_model):
     assert llm.block_manager.num_free_blocks == 64
 
 
+def test_beam_search_is_a_request_of_the_step_loop():
+    """A search queued with add_beam_search runs through step(): every step schedules all its
+    live beams together, and its output's completions are the hypotheses of beam_search."""
+    params = BeamSearchParams(beam_width=3, max_tokens=5)
+    llm = LLM(MODEL, block_size=4, num_kvcache_blocks=40, **CPU)
+    [want] = llm.beam_search([PROMPT], params)
+    rid = llm.add_beam_search(PROMPT, params)
+    with pytest.raises(RuntimeError, match="runs alone"):
+        llm.add_request(PROMPT, SamplingParams(max_tokens=2))
+    search = llm.scheduler.beam_searches[rid]
+    outputs, steps = [], 0
+    while not outputs:
+        live = sorted(b.seq_id for b in search.beams)
+        outputs = llm.step()
+        steps += 1
+        assert sorted(seq_id for seq_id, _, _ in llm.last_step.scheduled) == live
+    [out] = outputs
+    assert out.request_id == rid and steps == len(search.steps)
+    assert [c.token_ids for c in out.outputs] == [h.tokens[len(PROMPT):] for h in want.sequences]
+    # (approximately: the second search's prompt comes from the prefix cache, computed apart)
+    assert [c.cumulative_logprob for c in out.outputs] == pytest.approx([h.cum_logprob for h in want.sequences], abs=1e-5)
+    assert [c.text for c in out.outputs] == [h.text for h in want.sequences]
+    assert not llm.scheduler.beam_searches and llm.block_manager.num_free_blocks == 40
+    # ... and the other way round: a search waits for the queue to empty.
+    llm.add_request(PROMPT, SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="runs alone"):
+        llm.add_beam_search(PROMPT, params)
+
+
+def test_beam_search_with_chunked_prefill_equals_hugging_face(random_model):
+    """The root's prompt computed in chunks of 4 tokens (and found in the prefix cache by the
+    second search): the same hypotheses as Hugging Face's."""
+    prompt = [random.Random(7).randrange(1, 512) for _ in range(11)]
+    llm = LLM(random_model, block_size=4, num_kvcache_blocks=64, max_num_batched_tokens=4, **CPU)
+    params = BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True)
+    hf_seqs, hf_scores = hf_beams(random_model, prompt, 2, 6, None)
+    for _ in range(2):
+        [out] = llm.beam_search([prompt], params)
+        assert [s.tokens[len(prompt):] for s in out.sequences] == hf_seqs
+        assert [s.score for s in out.sequences] == pytest.approx(hf_scores, abs=1e-4)
+    assert llm.block_manager.prefix_cache_stats.hits > 0
+
+
+def test_aborting_a_beam_search_aborts_every_beam():
+    llm = LLM(MODEL, block_size=4, num_kvcache_blocks=40, **CPU)
+    rid = llm.add_beam_search(PROMPT, BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))
+    for _ in range(3):
+        assert llm.step() == []
+    beams = list(llm.scheduler.beam_searches[rid].beams)
+    assert len(beams) == 3 and llm.block_manager.num_free_blocks < 40
+    out = llm.abort_request(rid)
+    assert out.request_id == rid and len(out.outputs) == 0   # (no hypothesis had ended yet)
+    assert all(b.finish_reason == "abort" for b in beams)
+    assert not llm.has_unfinished_requests() and not llm.scheduler.beam_searches
+    check_invariants(llm.block_manager, [])
+
+
+def test_a_step_without_the_beams_candidates_is_refused_and_undone():
+    """The scheduler alone, as a runner would drive it: results without top_logprobs (or with
+    malformed ones) are refused by name, the whole step is undone (schedule's part too), and
+    the same step comes again."""
+    from course_pkg.engine.outputs import ModelRunnerOutput
+    from course_pkg.scheduler import Scheduler
+
+    sched = Scheduler(16, 4, eos_token_id=0)
+    root = Sequence(list(range(1, 7)), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), block_size=4)
+    sched.add_beam_search(root, BeamSearchParams(beam_width=2, max_tokens=3))
+    before = state(sched.block_manager, [root])
+    out = sched.schedule()
+    assert out.num_logprobs == (4,)
+    for bad, words in [(None, "top_logprobs"), ([[]], "1 to 4"), ([[(5, 0.0)] * 5], "1 to 4"),
+                       ([[(5, "x")]], "pairs")]:
+        with pytest.raises(ValueError, match=words):
+            sched.update_from_output(out, ModelRunnerOutput([[5]], [[-0.1]], top_logprobs=bad))
+        assert state(sched.block_manager, [root]) == before and root.num_cached_tokens == 0
+        out = sched.schedule()
+    rows = [[(5, -0.5), (6, -1.0), (7, -2.0), (8, -3.0)]]
+    assert sched.update_from_output(out, ModelRunnerOutput([[5]], [[-0.5]], top_logprobs=rows)) == []
+    [a, b] = sched.beam_searches[root.request_id].beams
+    assert (a.token_ids[-1], b.token_ids[-1]) == (5, 6) and a is root and b.parent is root
+    assert sched.block_manager.blocks[root.block_table[-1]].ref_count == 2   # the partial block, shared
+
+
 def test_beams_share_blocks_and_pruned_beams_free_theirs():
     llm = LLM(MODEL, block_size=4, num_kvcache_blocks=64, **CPU)
     trace = []
@@ -415,9 +498,12 @@ def test_beams_share_blocks_and_pruned_beams_free_theirs():
     def on_step(step, beams):
         held = {b for beam in beams for b in beam.block_table}
         trace.append((step, len(beams), len(held), sum(len(beam.block_table) for beam in beams)))
-        check_invariants(llm.block_manager, beams)
+        # (between steps: a beam's new token gets its block -- or its copy -- in the next schedule)
+        check_invariants(llm.block_manager, beams, between_steps=True)
 
     llm.beam_search([PROMPT], BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True), on_step=on_step)
-    assert trace and all(n == 4 for _, n, _, _ in trace[1:])
-    assert all(distinct < entries for _, _, distinct, entries in trace), "beams should share blocks"
+    assert [step.step for step, *_ in trace] == [1, 2, 3, 4, 5, 6]
+    assert [n for _, n, _, _ in trace] == [4, 4, 4, 4, 4, 0]   # the last step ends every hypothesis
+    assert all(distinct < entries for _, _, distinct, entries in trace[:-1]), "beams should share blocks"
+    assert sum(len(step.copies) for step, *_ in trace) > 0, "a fork's shared partial block is copied on write"
     assert llm.block_manager.num_free_blocks == 64

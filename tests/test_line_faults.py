@@ -247,8 +247,8 @@ def test_a_sigint_at_every_line_of_the_commit_and_the_hand_out_loses_nothing():
 
 def test_a_fault_at_any_line_of_a_beam_search_leaves_every_block_free():
     """Beam search (chapter 08) at every 60th line of its run, an exception there: afterwards no
-    block is held (its release runs even when a fault hits the release itself), and the next
-    search finds the same hypotheses."""
+    block is held and no request is left (the search is a request of the step loop, aborted when
+    anything raises), and the next search finds the same hypotheses."""
     from course_pkg.sampling_params import BeamSearchParams
 
     llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=40)
@@ -271,5 +271,6 @@ def test_a_fault_at_any_line_of_a_beam_search_leaves_every_block_free():
             sys.settrace(None)
         assert tracer.fired
         check_invariants(llm.block_manager, [])
-        assert not llm.live_beams and not llm.scheduler.journal.recording, tracer.where
+        assert not llm.has_unfinished_requests() and not llm.scheduler.beam_searches, tracer.where
+        assert not llm.scheduler.journal.recording and not llm.model_runner.step_is_open, tracer.where
     assert [h.tokens for h in llm.beam_search([PROMPTS[2]], params)[0].sequences] == want

@@ -257,7 +257,7 @@ def test_beam_search_survives_a_fault_in_any_of_its_block_calls():
     llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=40)
     params = BeamSearchParams(beam_width=3, max_tokens=6)
     want = [h.tokens for h in llm.beam_search([PROMPTS[2]], params)[0].sequences]
-    for where, name in [("model_runner", "copy_blocks"), ("model_runner", "compute_logprobs"),
+    for where, name in [("model_runner", "copy_blocks"), ("model_runner", "run_with_logprobs"),
                         ("block_manager", "fork"), ("block_manager", "may_append"),
                         ("block_manager", "deallocate"), ("block_manager", "_allocate_block")]:
         for at in (1, 2, 5):

@@ -13,9 +13,10 @@ to its caller.
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
+from dataclasses import replace
 
-from course_pkg.engine.beam_search import BeamSearchOutput, beam_search_one
-from course_pkg.engine.llm_engine import LLMEngine
+from course_pkg.beam_search import BeamSearchOutput
+from course_pkg.engine.llm_engine import LLMEngine, beam_root_params
 from course_pkg.engine.outputs import RequestOutput
 from course_pkg.sampling_params import BeamSearchParams, SamplingParams
 from course_pkg.validation import check_bool, is_int
@@ -125,14 +126,18 @@ class LLM(LLMEngine):
     def beam_search(self, prompts, params: BeamSearchParams, on_step=None) -> list[BeamSearchOutput]:
         """Beam search for every prompt (vLLM's ``LLM.beam_search``), one prompt after another.
 
-        The beams of a prompt are forked sequences that share their blocks; see
-        :mod:`course_pkg.engine.beam_search`. The engine must have no other requests (beam
-        search does not interleave with ``generate``). Every prompt is checked first: a prompt
-        whose ``beam_width`` beams could never fit in the pool together raises ``ValueError``
-        before anything runs.
+        Each search is a request of the engine's step loop (``add_beam_search``): its beams are
+        forked sequences that share their blocks, ranked in ``update_from_output``; see
+        :mod:`course_pkg.beam_search`. The engine must have no other requests (a search runs
+        alone). Every prompt is checked first: a prompt whose ``beam_width`` beams could never
+        fit in the pool together raises ``ValueError`` before anything runs.
+
+        ``on_step(BeamStep, beams)`` is called after every step of a search with the beams that
+        go on (none after its last step), for the chapter's drawings. If anything raises -- the
+        callback, a fault, an interrupt -- the search is aborted, every block released, and the
+        exception propagates.
         """
-        if not isinstance(params, BeamSearchParams):
-            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        self._check_beam_search_params(params)
         if self.speculative_config is not None:
             raise ValueError("beam_search is not supported with speculative decoding (speculative_config): "
                              "its beams are scored one token at a time; use an engine without it")
@@ -140,20 +145,29 @@ class LLM(LLMEngine):
         with self._exclusive():
             if self.has_unfinished_requests():
                 raise RuntimeError("beam_search runs alone: finish or abort the queued requests first")
-            as_n = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True,
-                                  n=params.beam_width)
-            if params.beam_width > self.config.vocab_size:
-                raise ValueError(f"beam_width={params.beam_width} is more than the vocabulary's "
-                                 f"{self.config.vocab_size} tokens: a step could not fill the beams")
-            roots = []
             for i, prompt in enumerate(prompts):
                 try:
-                    seq = self.make_sequence(prompt, as_n)   # a request of beam_width completions
-                    self.scheduler.check(seq)
-                    if seq.num_prompt_tokens + params.max_tokens > self.max_model_len:
-                        raise ValueError(f"the prompt's {seq.num_prompt_tokens} tokens plus max_tokens="
-                                         f"{params.max_tokens} exceed max_model_len={self.max_model_len}")
+                    self.scheduler.check_beam_search(self.make_sequence(prompt, beam_root_params(params)), params)
                 except (ValueError, TypeError) as e:
                     raise type(e)(f"prompt {i}: {e}") from None
-                roots.append((seq.token_ids, seq.cache_salt))
-            return [beam_search_one(self, ids, params, on_step, cache_salt=salt) for ids, salt in roots]
+            return [self._beam_search_one(prompt, params, on_step) for prompt in prompts]
+
+    def _beam_search_one(self, prompt, params: BeamSearchParams, on_step) -> BeamSearchOutput:
+        seq = self.make_sequence(prompt, beam_root_params(params))
+        request_id, output, seen = seq.request_id, None, 0
+        try:
+            self._add_beam_search(seq, params, prompt)   # (inside: a fault after it is queued aborts it)
+            search = self._requests[request_id].beam_search
+            while output is None:
+                for out in self.step():   # (the search runs alone: the only output is its own)
+                    output = out
+                if on_step is not None:
+                    for step in search.steps[seen:]:
+                        on_step(step, list(search.beams))
+                    seen = len(search.steps)
+        except BaseException:
+            if request_id in self._requests or request_id in self._outbox:
+                self.abort_request(request_id)
+            raise
+        return BeamSearchOutput(sequences=[replace(h, text=c.text) for h, c in zip(search.finished, output.outputs)])
+

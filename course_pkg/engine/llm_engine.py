@@ -42,8 +42,9 @@ from course_pkg.engine.inputs import PromptType, parse_prompt
 from course_pkg.engine.model_runner import ModelRunner
 from course_pkg.engine.outputs import (CompletionOutput, EngineCoreOutput, EngineMetrics, ModelRunnerOutput,
                                        RequestMetrics, RequestOutput, StepInfo)
+from course_pkg.beam_search import BeamSearch
 from course_pkg.block_manager import BlockManager
-from course_pkg.sampling_params import SamplingParams
+from course_pkg.sampling_params import BeamSearchParams, SamplingParams
 from course_pkg.scheduler import Scheduler, SchedulerOutput
 from course_pkg.sequence import Sequence
 from course_pkg.undo import deferred_interrupts, transaction
@@ -116,7 +117,6 @@ class LLMEngine:
         self._requests: dict[int, _Request] = journal.adopt({})   # every request not yet handed out
         self._ready: list[int] = journal.adopt([])                # requests whose every completion finished
         self._outbox: dict[int, RequestOutput] = journal.adopt({})   # outputs built, not yet returned
-        self.live_beams: list[Sequence] = journal.adopt([])       # the beams of a beam search running
         self._open_step: int | None = None                        # see _finish_interrupted_step
         self._lock = threading.RLock()
         self.prometheus = PrometheusMetrics(Path(model).name if model is not None else "course-tiny",
@@ -211,16 +211,48 @@ class LLMEngine:
             return self._add_all([self.make_sequence(prompt, sampling_params)], [prompt])[0]
 
     def _add_all(self, seqs: list[Sequence], prompts: list) -> list[int]:
-        self.model_runner.check_usable()
-        now = time.perf_counter()
-        records = [(seq.seq_id, _Request(seq, text if isinstance(text, str) else None,
-                                         RequestMetrics(arrival_time=now, arrival_step=self.num_steps)))
-                   for seq, text in zip(seqs, (parse_prompt(p)[0] for p in prompts))]
+        records = self._records(seqs, prompts)
         with deferred_interrupts():
             # Checks every one first; queues all or none, and the engine's records with them.
             self.scheduler.add_all(seqs, then=lambda: self._requests.update(records))
         self.prometheus.update(self.get_metrics())
         return [seq.seq_id for seq in seqs]
+
+    def add_beam_search(self, prompt: PromptType, params: BeamSearchParams) -> int:
+        """Queue a beam search for ``prompt`` (chapter 08); returns its request id. It runs alone
+        (``Scheduler.add_beam_search``); the request's output, once ``step()`` hands it out,
+        holds the ``beam_width`` best hypotheses, best first, as its completions."""
+        self._check_beam_search_params(params)
+        with self._exclusive():
+            seq = self.make_sequence(prompt, beam_root_params(params))
+            self._add_beam_search(seq, params, prompt)
+            return seq.request_id
+
+    def _add_beam_search(self, seq: Sequence, params: BeamSearchParams, prompt: PromptType) -> None:
+        [(request_id, record)] = self._records([seq], [prompt])
+
+        def note(search):
+            record.beam_search = search
+            self._requests[request_id] = record
+
+        with deferred_interrupts():
+            self.scheduler.add_beam_search(seq, params, then=note)
+        self.prometheus.update(self.get_metrics())
+
+    def _check_beam_search_params(self, params: BeamSearchParams) -> None:
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if params.beam_width > self.config.vocab_size:
+            raise ValueError(f"beam_width={params.beam_width} is more than the vocabulary's "
+                             f"{self.config.vocab_size} tokens: a step could not fill the beams")
+
+    def _records(self, seqs: list[Sequence], prompts: list) -> list[tuple[int, "_Request"]]:
+        """The engine's records of new requests (not yet in its table)."""
+        self.model_runner.check_usable()
+        now = time.perf_counter()
+        return [(seq.seq_id, _Request(seq, text if isinstance(text, str) else None,
+                                      RequestMetrics(arrival_time=now, arrival_step=self.num_steps)))
+                for seq, text in zip(seqs, (parse_prompt(p)[0] for p in prompts))]
 
     def abort_request(self, request_id: int) -> RequestOutput:
         """Stop a request now, free its blocks, and return its output (``finish_reason="abort"``).
@@ -250,9 +282,12 @@ class LLMEngine:
             raise
 
     def _completions(self, request_id: int) -> list[Sequence]:
-        """The sequences of a request: its own, then its forks (completions 1 .. n-1)."""
-        seq = self._requests[request_id].seq
-        return [seq] + seq.children
+        """The sequences of a request: its own, then its forks (completions 1 .. n-1); for a beam
+        search, its live beams (none once it has ended)."""
+        req = self._requests[request_id]
+        if req.beam_search is not None:
+            return list(req.beam_search.beams)
+        return [req.seq] + req.seq.children
 
     def get_sequence(self, request_id: int) -> Sequence:
         """The live Sequence of an unfinished request (to watch its block table)."""
@@ -336,8 +371,6 @@ class LLMEngine:
             runner.abort_step()
         else:
             runner.end_step()   # committed (or nothing was open)
-        if self.live_beams:     # a beam search that a fault ended (chapter 08)
-            self._release_beams()
 
     def _core_outputs(self, out: SchedulerOutput, result: ModelRunnerOutput,
                       finished: list[Sequence]) -> dict[int, EngineCoreOutput]:
@@ -346,8 +379,8 @@ class LLMEngine:
         new: dict[int, tuple[dict, dict, dict]] = {}
         for i, seq in enumerate(out.seqs):
             tokens = result.sampled_token_ids[i]
-            if not tokens:
-                continue
+            if not tokens or self._requests[seq.request_id].beam_search is not None:
+                continue   # (a beam search has no deltas: its hypotheses come with its output)
             start = out.num_computed_tokens[i] + out.num_scheduled_tokens[i] - lookahead[i]   # its length before
             ids, lps, _ = new.setdefault(seq.request_id, ({}, {}, {}))
             if out.num_samples[i] > 1:   # it forked now: completion j got token j
@@ -357,7 +390,8 @@ class LLMEngine:
                 ids[seq.index] = seq.token_ids[start:]
                 lps[seq.index] = list(result.logprobs[i][:len(ids[seq.index])])
         for seq in finished:
-            new.setdefault(seq.request_id, ({}, {}, {}))[2][seq.index] = seq.finish_reason
+            if self._requests[seq.request_id].beam_search is None:
+                new.setdefault(seq.request_id, ({}, {}, {}))[2][seq.index] = seq.finish_reason
         core = {}
         for rid, (ids, lps, reasons) in new.items():
             req = self._requests[rid]
@@ -383,16 +417,6 @@ class LLMEngine:
             req.metrics.record_token(now, out.step)
             self.prometheus.observe_token(req.metrics.time_to_first_token if first else None,
                                           None if first else req.metrics.inter_token_latencies[-1])
-
-    def _release_beams(self) -> None:
-        """Release the blocks of the beams a beam search left (chapter 08), each in a transaction
-        of its own, then forget them; what is released already is skipped, so it may run again."""
-        bm = self.block_manager
-        for beam in list(self.live_beams):
-            if bm._holders.get(beam.seq_id) is beam:   # (the manager's own record of who holds blocks)
-                with transaction(bm, beam):
-                    bm.deallocate(beam)
-        self.live_beams.clear()
 
     def _mark_ready(self, finished: list[Sequence]) -> list[int]:
         """Note the requests whose every completion has finished; returns their ids."""
@@ -447,13 +471,18 @@ class LLMEngine:
         req = self._requests[request_id]
         if req.metrics.finished_time is None:
             req.metrics.finished_time = time.perf_counter()
+        if req.beam_search is not None:   # the hypotheses, best first (those found so far, if aborted)
+            n = req.seq.num_prompt_tokens
+            completions = [(i, h.tokens[n:], h.cum_logprob, h.finish_reason)
+                           for i, h in enumerate(req.beam_search.finished)]
+        else:
+            completions = [(seq.index, seq.completion_token_ids, seq.cumulative_logprob, seq.finish_reason or "abort")
+                           for seq in self._completions(request_id)]
         outputs = []
-        for seq in self._completions(request_id):
-            tokens = seq.completion_token_ids
+        for index, tokens, cumulative_logprob, finish_reason in completions:
             text = None if self.tokenizer is None else self.tokenizer.decode(tokens, skip_special_tokens=True)
-            outputs.append(CompletionOutput(index=seq.index, text=text, token_ids=tokens,
-                                            cumulative_logprob=seq.cumulative_logprob,
-                                            finish_reason=seq.finish_reason or "abort"))
+            outputs.append(CompletionOutput(index=index, text=text, token_ids=tokens,
+                                            cumulative_logprob=cumulative_logprob, finish_reason=finish_reason))
         return RequestOutput(request_id=request_id, prompt=req.prompt, prompt_token_ids=req.seq.prompt_token_ids,
                              outputs=outputs, num_cached_tokens=req.num_cached_tokens, metrics=req.metrics)
 
@@ -476,6 +505,12 @@ class LLMEngine:
             spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos))
+
+
+def beam_root_params(params: BeamSearchParams) -> SamplingParams:
+    """The sampling parameters of a beam search's root sequence: greedy, one token a step, to
+    ``max_tokens`` (the search, not ``ignore_eos``, decides when it ends)."""
+    return SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
 
 
 def make_proposer(spec):
@@ -513,3 +548,4 @@ class _Request:
     prompt: str | None
     metrics: RequestMetrics
     num_cached_tokens: int = field(default=0)
+    beam_search: BeamSearch | None = None   # (chapter 08) set for a beam search's request

@@ -38,6 +38,13 @@ from course_pkg.validation import check_choice, check_positive_int
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 2**20
 
 
+def _top_logprobs(logits: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely next tokens of one row of logits, with their log-probabilities
+    (float32 ``log_softmax``, as Hugging Face's beam search scores them), best first."""
+    values, tokens = torch.log_softmax(logits.float(), dim=-1).topk(min(k, logits.shape[-1]))
+    return list(zip(tokens.tolist(), values.tolist()))
+
+
 def resolve_backend(attention_backend: str, device: torch.device) -> str:
     """``auto`` means the Triton kernels on CUDA and the pure-torch path elsewhere."""
     if attention_backend == "auto":
@@ -248,8 +255,7 @@ class ModelRunner:
         self.swap_in(list(out.blocks_to_swap_in))
         if any(out.num_lookahead_tokens):
             return self.execute_speculative(out)
-        tokens, logprobs = self.run_with_logprobs(list(out.seqs), list(out.num_samples))
-        return ModelRunnerOutput(sampled_token_ids=tokens, logprobs=logprobs)
+        return self.run_with_logprobs(list(out.seqs), list(out.num_samples), list(out.num_logprobs) or None)
 
     # ---------------------------------------------------------------- speculative decoding (chapter 14)
 
@@ -435,18 +441,22 @@ class ModelRunner:
     def run(self, seqs: list[Sequence]) -> list[list[int]]:
         """Compute the scheduled tokens of ``seqs``; per sequence the list of its sampled tokens
         (``seq.num_samples`` of them; none for a sequence that computed only a chunk of its prompt)."""
-        return self.run_with_logprobs(seqs)[0]
+        return self.run_with_logprobs(seqs).sampled_token_ids
 
     @torch.inference_mode()
-    def run_with_logprobs(self, seqs: list[Sequence], num_samples: list[int] | None = None):
-        """``run``, plus the log-probabilities of the sampled tokens, in the same shape.
+    def run_with_logprobs(self, seqs: list[Sequence], num_samples: list[int] | None = None,
+                          num_logprobs: list[int] | None = None) -> ModelRunnerOutput:
+        """``run``, plus the log-probabilities of the sampled tokens, in the same shape, as a
+        ``ModelRunnerOutput``.
 
         ``num_samples`` (the scheduler's decision, ``SchedulerOutput.num_samples``; default each
         sequence's own ``num_samples``) says how many tokens to sample per sequence that reaches
-        its last token.
+        its last token. ``num_logprobs`` (``SchedulerOutput.num_logprobs``, for the beams of a
+        beam search) asks, per sequence, for that many of its most likely next tokens with their
+        log-probabilities (``top_logprobs``; at most the vocabulary).
         """
         if not seqs:
-            return [], []
+            return ModelRunnerOutput(sampled_token_ids=[], logprobs=[])
         if num_samples is None:
             num_samples = [seq.num_samples for seq in seqs]
         logits, sample_seqs = self._forward(seqs)
@@ -455,16 +465,14 @@ class ModelRunner:
                             if sample_seqs else ([], []))
         by_seq = {seq.seq_id: (t, lp) for seq, t, lp in zip(sample_seqs, tokens, logprobs)}
         results = [by_seq.get(seq.seq_id, ([], [])) for seq in seqs]
-        return [t for t, _ in results], [lp for _, lp in results]
-
-    @torch.inference_mode()
-    def compute_logprobs(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Compute the scheduled tokens of ``seqs`` (each must reach its last token) and return
-        the next-token log-probabilities, ``[len(seqs), vocab]`` float32 (beam search)."""
-        logits, sample_seqs = self._forward(seqs)
-        if len(sample_seqs) != len(seqs):
-            raise ValueError("compute_logprobs needs every sequence to reach its last token")
-        return torch.log_softmax(logits.float(), dim=-1)
+        top = None
+        if num_logprobs is not None:
+            wanted = {seq.seq_id: k for seq, k in zip(seqs, num_logprobs)}
+            rows = {s.seq_id: _top_logprobs(logits[row], wanted[s.seq_id])
+                    for row, s in enumerate(sample_seqs) if wanted[s.seq_id]}
+            top = [rows.get(seq.seq_id, []) for seq in seqs]
+        return ModelRunnerOutput(sampled_token_ids=[t for t, _ in results], logprobs=[lp for _, lp in results],
+                                 top_logprobs=top)
 
     def _forward(self, seqs: list[Sequence], draft_token_ids: dict[int, list[int]] | None = None):
         input_ids, positions, attn, logits_rows, sample_seqs = self.prepare(seqs, draft_token_ids)

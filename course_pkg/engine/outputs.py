@@ -18,11 +18,16 @@ class ModelRunnerOutput:
 
     A speculative step (chapter 14) also returns ``draft_token_ids``: per sequence the drafts it
     verified (empty for one that did not speculate); its ``sampled_token_ids`` are then the
-    accepted drafts followed by one token of the target's."""
+    accepted drafts followed by one token of the target's.
+
+    A step with beams (chapter 08) also returns ``top_logprobs``: per sequence the
+    ``SchedulerOutput.num_logprobs`` most likely next tokens as ``(token id, log-probability)``
+    pairs, best first (empty for a sequence that asked for none)."""
 
     sampled_token_ids: list[list[int]]
     logprobs: list[list[float]]
     draft_token_ids: list[list[int]] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True)

@@ -209,9 +209,8 @@ class TensorParallelModelRunner(ModelRunner):
     def _forward(self, seqs):
         """As :meth:`ModelRunner._forward`, on all ranks: prepare, broadcast, forward, gather.
 
-        ``run``, ``run_with_logprobs`` and ``compute_logprobs`` are the single-device
-        runner's, unchanged: they call this and sample (or take log-probabilities) from the
-        gathered logits, on rank 0 only.
+        ``run`` and ``run_with_logprobs`` are the single-device runner's, unchanged: they call
+        this and sample (and take log-probabilities) from the gathered logits, on rank 0 only.
         """
         self._check_usable()
         input_ids, positions, attn, logits_rows, sample_seqs = self.prepare(seqs)
@@ -232,14 +231,14 @@ class TensorParallelModelRunner(ModelRunner):
         return logits, sample_seqs
 
     @torch.inference_mode()
-    def run_with_logprobs(self, seqs, num_samples=None):
+    def run_with_logprobs(self, seqs, num_samples=None, num_logprobs=None):
         """As :meth:`ModelRunner.run_with_logprobs`; a traced step also records what rank 0 sampled."""
         self._traced = False
-        tokens, logprobs = super().run_with_logprobs(seqs, num_samples)
+        result = super().run_with_logprobs(seqs, num_samples, num_logprobs)
         if self._traced:
-            sampled = [t[0] if len(t) == 1 else t for t in tokens if t]
+            sampled = [t[0] if len(t) == 1 else t for t in result.sampled_token_ids if t]
             self.last_trace.append(f"sampled {sampled}" if sampled else "nothing sampled (a chunk of a prompt)")
-        return tokens, logprobs
+        return result
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -75,8 +75,9 @@ def watch_beam_search(llm, prompt, params) -> Watched:
 
     def on_step(step, beams):
         watched.copies += len(step.copies)
-        watched.blocks.append(len({b for beam in beams for b in beam.block_table}))
-        watched.entries.append(sum(len(beam.block_table) for beam in beams))
+        if beams:   # (after the last step no beam is left, and nothing is held)
+            watched.blocks.append(len({b for beam in beams for b in beam.block_table}))
+            watched.entries.append(sum(len(beam.block_table) for beam in beams))
 
     start = time.perf_counter()
     watched.outputs = llm.beam_search([prompt], params, on_step=on_step)
