@@ -324,13 +324,13 @@ class Scheduler:
         """
         self.check_beam_search(seq, params)
         search = BeamSearch(seq, params, self.eos_token_ids)
-        with self._transaction(opens="add a request", commits=True):
-            self.waiting.append(seq)
-            seq.submitted = True
-            self.stats.prompt_tokens += seq.num_prompt_tokens
+
+        def record() -> None:   # (inside add_all's transaction)
             self.beam_searches[seq.request_id] = search
             if then is not None:
                 then(search)
+
+        self.add_all([seq], then=record)
         return search
 
     def check_beam_search(self, seq: Sequence, params: BeamSearchParams) -> None:
