@@ -44,6 +44,7 @@ is recomputed (``BlockManager.forget_overwritten``).
 """
 from __future__ import annotations
 
+import _signal
 import copyreg
 import signal
 import threading
@@ -51,6 +52,7 @@ import weakref
 from array import array
 from collections import deque
 from contextlib import contextmanager
+from operator import attrgetter
 from typing import Any
 
 _MISSING = object()
@@ -59,6 +61,7 @@ _MISSING = object()
 _set_class = object.__dict__["__class__"].__set__
 _plain_setattr = object.__setattr__
 _SCALARS = frozenset({int, float, bool, str, bytes, type(None), tuple, frozenset, complex})
+_SIGINT = int(signal.SIGINT)
 _open = threading.local()   # .journals: the journals recording on this thread (weakly held)
 
 
@@ -148,10 +151,12 @@ class Journal:
 
     def _unsave(self, refresh: bool) -> None:
         """Watch the saved objects again. After a commit (``refresh``), a container or object
-        assigned to one of their fields while unwatched is enrolled now."""
+        assigned to one of their fields while unwatched is enrolled now.
+
+        Every line may run twice (an interrupt, then the next ``begin``): watching an object
+        again, or enrolling what is enrolled already, changes nothing."""
         saved = self._saved
-        while saved:
-            obj = saved[-1]
+        for obj in saved:
             cls = type(obj)
             if refresh:
                 for name in cls._references:
@@ -159,7 +164,7 @@ class Journal:
                     if type(value) in _CONTAINERS:
                         _plain_setattr(obj, name, _adopt(self, value))
             _set_class(obj, cls._watched)
-            saved.pop()
+        saved.clear()
 
     # ------------------------------------------------------------ enrolment
 
@@ -239,9 +244,17 @@ def _first_change(self, name: str, value: Any) -> None:
 
 
 def _slot_getter(names: tuple[str, ...]):
-    """``obj -> tuple of its slots' values`` (``_MISSING`` for an empty one), in C where it can."""
+    """``obj -> tuple of its slots' values`` (``_MISSING`` for an empty one): ``attrgetter``, in
+    C, while every slot is set (the usual case), else one ``getattr`` per slot."""
+    if not names:
+        return lambda obj: ()
+    get_set = attrgetter(*names) if len(names) > 1 else (lambda obj: (getattr(obj, names[0]),))
+
     def get(obj):
-        return tuple(getattr(obj, name, _MISSING) for name in names)
+        try:
+            return get_set(obj)
+        except AttributeError:
+            return tuple(getattr(obj, name, _MISSING) for name in names)
     return get
 
 
@@ -800,17 +813,21 @@ def deferred_interrupts():
     signals), inside another such block, or where the handler was not installed from Python,
     it changes nothing. A block that raises drops the held interrupt: its own exception stops
     the caller already.
+
+    (It calls ``_signal``, the C module under ``signal``: ``signal.signal`` and ``getsignal``
+    are the same calls plus a conversion to ``enum`` that costs ten times as much, and every
+    step runs this block.)
     """
-    current = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    current = _signal.getsignal(_SIGINT) if threading.get_ident() == threading.main_thread().ident else None
     if current is None or (isinstance(current, _HeldInterrupts) and current.active):
         yield
         return
     holder = _HeldInterrupts(current)
-    signal.signal(signal.SIGINT, holder)
+    _signal.signal(_SIGINT, holder)
     try:
         yield
     finally:
         holder.active = False   # (from here on it passes a signal on, even if left installed)
-        signal.signal(signal.SIGINT, current)
+        _signal.signal(_SIGINT, current)
     if holder.held:
-        _pass_on(current, signal.SIGINT, None)
+        _pass_on(current, _SIGINT, None)
