@@ -1,7 +1,7 @@
 """The OpenAI-compatible server under load, measured from the client side (chapter 13), on this CPU.
 
-    .venv/bin/python benchmarks/serving.py                       # about a minute
-    .venv/bin/python benchmarks/serving.py --rates 5 20 40 80 --num-requests 100 --max-tokens 32
+    .venv/bin/python benchmarks/serving.py                       # about two minutes
+    .venv/bin/python benchmarks/serving.py --rates 5 20 40 80 --num-requests 100 --max-tokens 32 --rounds 5
 
 1. The offline engine (``LLM.generate``) on the prompts, all at once, with the same engine
    arguments: its requests per second are what the engine can do with no server in front.
@@ -18,7 +18,9 @@
 
 Every request asks for exactly ``--max-tokens`` tokens (``ignore_eos``), greedy, so the server's
 completions can be checked against the offline ones (the script says if any differs). The machine
-is shared: timings vary from run to run; the ratios are measured side by side in one run.
+is shared and a burst lasts a second or two, so one run proves little: ``--rounds`` repeats the
+whole sequence -- offline, then every rate, then the burst -- and each figure is printed as the
+median and the range over the rounds, every ratio taken against the offline run of its own round.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import argparse
 import asyncio
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -69,6 +72,12 @@ def start_server(port: int, args) -> subprocess.Popen:
         time.sleep(0.2)
 
 
+def spread(values) -> str:
+    """``median [lowest, highest]`` of a figure measured once per round."""
+    values = sorted(values)
+    return f"{statistics.median(values):.2f} [{values[0]:.2f}, {values[-1]:.2f}]"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", type=float, nargs="+", default=[5, 10, 20, 40, 80])
@@ -76,6 +85,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--num-kvcache-blocks", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of offline, burst and every rate, alternating (each figure: median [range])")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -83,41 +94,50 @@ def main() -> None:
     prompts = [f"Request {i} of the serving benchmark asks the block manager" for i in range(n)]
     params = SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True)
     print(f"{n} requests, {k} tokens each (greedy, ignore_eos); tiny model; max_num_seqs={args.max_num_seqs}, "
-          f"{args.num_kvcache_blocks} blocks; torch threads: 1")
+          f"{args.num_kvcache_blocks} blocks; torch threads: 1; {args.rounds} rounds")
 
     llm = LLM(device="cpu", num_kvcache_blocks=args.num_kvcache_blocks, max_num_seqs=args.max_num_seqs)
     llm.generate(prompts[:8], params, use_tqdm=False)   # warm-up
-    start = time.perf_counter()
-    offline = llm.generate(prompts, params, use_tqdm=False)
-    offline_rate = n / (time.perf_counter() - start)
-    print(f"\noffline LLM.generate, all {n} at once: {offline_rate:.1f} req/s ({offline_rate * k:.0f} tokens/s)")
-
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start_server(port, args)
+    bodies = [{"prompt": p, "max_tokens": k, "temperature": 0.0, "ignore_eos": True, "logprobs": 0} for p in prompts]
+    rates = args.rates + [float("inf")]
+    offline_rates, runs = [], {rate: [] for rate in rates}
+    mismatches = 0
     try:
-        bodies = [{"prompt": p, "max_tokens": k, "temperature": 0.0, "ignore_eos": True, "logprobs": 0}
-                  for p in prompts]
         asyncio.run(run_load(url, bodies[:8], [0.0] * 8))   # warm-up
-        print("\nserver (its own process), Poisson arrivals, measured at the client:")
-        print(f"{'offered':>9} {'served':>8} {'/offline':>9} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8}"
-              f" {'lag p99':>8}  statuses")
-        mismatches = 0
-        for rate in args.rates + [float("inf")]:
-            arrivals = [0.0] * n if rate == float("inf") else poisson_arrivals(n, rate, seed=int(rate))
-            run = asyncio.run(run_load(url, bodies, arrivals, rate=rate))
-            mismatches += sum(r.ok and r.text != o.text for r, o in zip(run.results, offline))
-            label = "burst" if rate == float("inf") else f"{rate:g}/s"
-            print(f"{label:>9} {run.throughput:6.1f}/s {run.throughput / offline_rate:8.0%} "
-                  f"{1000 * run.ttft(50):7.0f}ms {1000 * run.ttft(99):6.0f}ms "
-                  f"{1000 * run.itl(50):6.1f}ms {1000 * run.itl(99):6.1f}ms {1000 * run.send_lag(99):6.1f}ms"
-                  f"  {run.statuses()}")
-        print(f"\ncompletions that differ from LLM.generate's: {mismatches}")
-        print("(the burst's served/offline ratio is the server's overhead; at a Poisson rate the ratio "
-              "cannot exceed offered/offline)")
+        for _ in range(args.rounds):   # the machine's noise falls on every figure of a round alike
+            start = time.perf_counter()
+            offline = llm.generate(prompts, params, use_tqdm=False)
+            offline_rates.append(n / (time.perf_counter() - start))
+            for rate in rates:
+                arrivals = [0.0] * n if rate == float("inf") else poisson_arrivals(n, rate, seed=int(rate))
+                run = asyncio.run(run_load(url, bodies, arrivals, rate=rate))
+                mismatches += sum(r.ok and r.text != o.text for r, o in zip(run.results, offline))
+                runs[rate].append((run, offline_rates[-1]))
     finally:
         proc.terminate()
         proc.wait(30)
+
+    print(f"\noffline LLM.generate, all {n} at once: {spread(offline_rates)} req/s")
+    print("\nserver (its own process), measured at the client; per figure the median [lowest, highest] of the rounds")
+    print(f"{'offered':>8}  {'served req/s':<26}{'served / offline':<26}{'TTFT p50 ms':<26}{'TTFT p99 ms':<26}"
+          f"{'ITL p50 ms':<26}{'ITL p99 ms':<26}{'lag p99 ms':<12}statuses")
+    for rate in rates:
+        rr = runs[rate]
+        label = "burst" if rate == float("inf") else f"{rate:g}/s"
+        statuses = {}
+        for run, _ in rr:
+            for code, count in run.statuses().items():
+                statuses[code] = statuses.get(code, 0) + count
+        print(f"{label:>8}  {spread([r.throughput for r, _ in rr]):<26}{spread([r.throughput / o for r, o in rr]):<26}"
+              f"{spread([1000 * r.ttft(50) for r, _ in rr]):<26}{spread([1000 * r.ttft(99) for r, _ in rr]):<26}"
+              f"{spread([1000 * r.itl(50) for r, _ in rr]):<26}{spread([1000 * r.itl(99) for r, _ in rr]):<26}"
+              f"{statistics.median(1000 * r.send_lag(99) for r, _ in rr):<12.1f}{statuses}")
+    print(f"\ncompletions that differ from LLM.generate's: {mismatches}")
+    print("(served / offline pairs each run with the offline run of its round; the burst's is the server's "
+          "overhead, a Poisson rate's cannot exceed offered / offline)")
 
 
 if __name__ == "__main__":

@@ -525,8 +525,14 @@ class AsyncLLM:
             deltas.append((state, _Delta(c.new_token_ids, c.new_logprobs, c.finish_reasons, len(state.seq_prompt_ids),
                                          c.num_cached_tokens, c.metrics, finished=c.finished)))
         self._publish()   # first the listeners (the dashboard) see the step, then the callers get its tokens
-        for state, delta in deltas:
-            state.put(delta)
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for state, delta in deltas:   # one wake-up of each caller's loop per step, not one per request
+            by_loop.setdefault(state.loop, []).append((state.queue, delta))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:   # that event loop is closed: nobody is listening any more
+                pass
 
     def _on_step_fault(self, error: Exception) -> None:
         """A step raised and was rolled back. Retry it; if it keeps failing, fail its requests."""
@@ -596,6 +602,11 @@ class AsyncLLM:
             for seq in [state.seq] + list(state.seq.children):
                 names[state.request_id + (f"/{seq.index}" if seq.index else "")] = seq
         return names
+
+
+def _put_all(items: list[tuple[asyncio.Queue, _Delta]]) -> None:
+    for q, delta in items:
+        q.put_nowait(delta)
 
 
 def _copy_metrics(metrics: RequestMetrics) -> RequestMetrics:

@@ -2,6 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import gc
+
+
+def freeze_gc_heap() -> None:
+    """Move every object alive after start-up (the model, the libraries, the app) into the
+    garbage collector's permanent generation, which collections no longer scan (vLLM's
+    ``freeze_gc_heap``). Without it, each full collection while serving walks those millions of
+    objects again: 0.2 s of a burst of 100 streamed requests here, with the engine's thread
+    held. Collected first, so that no garbage is frozen with them."""
+    gc.collect()
+    gc.freeze()
 
 
 def main(argv=None) -> None:
@@ -31,6 +42,7 @@ def main(argv=None) -> None:
                    block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    enable_prefix_caching=not args.no_prefix_caching)
     app = build_app(llm, args.served_model_name)
+    freeze_gc_heap()
     print(f"serving {app.state.model_name!r} on http://{args.host}:{args.port}  "
           f"(OpenAI API under /v1, dashboard at /dashboard, metrics at /metrics)", flush=True)
     try:
