@@ -11,6 +11,7 @@ text with another step's figure.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -72,9 +73,16 @@ _FIGURE_IS_JS = """([box, sha]) => {
 }"""
 
 
-def add_probe(notebook: Path) -> None:
-    """Append the probe cell to ``notebook`` (a temporary copy)."""
+def add_probe(notebook: Path, upto_first_stepper: bool = False) -> None:
+    """Append the probe cell to ``notebook`` (a temporary copy); with ``upto_first_stepper``,
+    after the first cell that builds a ``Stepper``, the cells after it dropped: what a student
+    runs before reaching the first stepper, which is all the front end needs (every later
+    stepper is the same widget)."""
     nb = nbformat.read(notebook, as_version=4)
+    if upto_first_stepper:
+        first = next(i for i, c in enumerate(nb.cells)
+                     if c.cell_type == "code" and re.search(r"\bStepper\(", c.source))
+        nb.cells = nb.cells[:first + 1]
     nb.cells.append(nbformat.v4.new_code_cell(PROBE_SOURCE))
     nbformat.write(nb, notebook)
 
@@ -146,11 +154,13 @@ class StepperOnPage:
         self.page.keyboard.press(key)
 
 
-def load_chapter(page, lab: LabServer, name: str, shots: Path) -> list[StepperOnPage]:
-    """Open chapter ``name`` in JupyterLab, run all cells, and pair each stepper in the page
-    with the kernel's expectations (matched by its number of steps and its first step)."""
+def load_chapter(page, lab: LabServer, name: str, shots: Path,
+                 upto_first_stepper: bool = False) -> list[StepperOnPage]:
+    """Open chapter ``name`` in JupyterLab, run all cells (up to its first stepper, if asked),
+    and pair each stepper in the page with the kernel's expectations (matched by its number of
+    steps and its first step)."""
     clear_outputs(lab.root / name)
-    add_probe(lab.root / name)
+    add_probe(lab.root / name, upto_first_stepper)
     open_notebook(page, lab, name)
     run_all_cells(page, lab, name)
     expectations = json.loads((lab.root / Path(name).parent / EXPECTATIONS).read_text())

@@ -4,7 +4,8 @@ Chapter 06 steps through the engine's steps (the Recorder's snapshots after each
 scheduler/model step). Every chapter's stepper is the same widget (``viz.Stepper``), whose
 controls tests/test_viz.py drives without a browser, so one chapter in the browser checks the
 front end (chapter 02, stepping through BlockManager calls, ran here too until it cost CI more
-than half a minute for the same widget). Run All Cells, then on its first stepper with at least three steps press
+than half a minute for the same widget). The chapter runs up to its first stepper -- what a student
+runs before reaching it -- with Run All Cells, then on that stepper (at least three steps) press
 next, next, previous, drag the slider to the end (a click on the track) and nudge it back with
 the keyboard. After every action the label, the printed state and the drawn figure must all be
 those of the right step, as computed by the kernel (see stepper_checks.py). Screenshots of the
@@ -44,7 +45,7 @@ def exercise(stepper) -> None:
 @pytest.mark.parametrize("chapter", CHAPTERS)
 def test_stepper_follows_next_previous_and_slider(page, lab, shots, chapter):
     assert (NOTEBOOKS / chapter).is_file(), f"chapter notebook {chapter} is missing"
-    steppers = load_chapter(page, lab, chapter, shots)
+    steppers = load_chapter(page, lab, chapter, shots, upto_first_stepper=True)
     stepper = next((s for s in steppers if len(s.steps) >= 3), None)
     assert stepper is not None, f"{chapter}: no stepper with at least 3 steps"
     exercise(stepper)
