@@ -18,7 +18,7 @@ LAYERS = [
     {"block", "sequence"},
     {"free_block_queue"},
     {"block_manager"},
-    {"swap", "radix_tree", "foils", "undo", "beam_search"},
+    {"swap", "radix_tree", "foils", "undo", "beam_search", "offload"},
     {"policies"},
     {"scheduler"},
     {"kernels", "models", "distributed"},
