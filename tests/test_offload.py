@@ -266,3 +266,62 @@ def test_sizes_are_checked(bad):
         LRUOffloadingManager(bad)
     with pytest.raises((ValueError, TypeError)):
         FilterReusedOffloadingManager(LRUOffloadingManager(2), store_threshold=bad if bad != 1.5 else 0)
+
+
+# ---------------------------------------------------------------- the two-tier replay
+
+from course_pkg.workloads.replay import replay  # noqa: E402
+from course_pkg.workloads.tier_replay import replay_with_tier  # noqa: E402
+from course_pkg.workloads.traces import TraceRequest  # noqa: E402
+
+# Requests as prefixes of a few conversations: block ids from a small tree, so requests share.
+prefix_paths = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6), min_size=1, max_size=25)
+
+
+def trace_of(paths):
+    """Each path of branch choices becomes a request whose block ids name its prefix exactly."""
+    requests = []
+    for i, path in enumerate(paths):
+        ids, node = [], 0
+        for choice in path:
+            node = node * 4 + choice + 1
+            ids.append(node)
+        requests.append(TraceRequest(float(i), 512 * len(ids), 1, tuple(ids)))
+    return requests
+
+
+@settings(max_examples=150, deadline=None)
+@given(paths=prefix_paths, pool=st.integers(1, 8), tier=st.integers(1, 8), concurrency=st.integers(1, 3),
+       policy=st.sampled_from(["vllm", "lru", "radix"]), arc=st.booleans())
+def test_the_tier_adds_to_the_device_hits_and_never_changes_them(paths, pool, tier, concurrency, policy, arc):
+    trace = trace_of(paths)
+    manager = (ARCOffloadingManager if arc else LRUOffloadingManager)(tier)
+    got = replay_with_tier(trace, policy, pool, manager, concurrency=concurrency)
+    alone = replay(trace, policy, pool, concurrency=concurrency)
+    assert [h[0] if h else None for h in got.hits] == list(alone.hits)
+    bound = replay(trace, "infinite", pool)
+    for h, b in zip(got.hits, bound.hits):
+        assert (h is None) == (b is None) and (h is None or h[0] + h[1] <= b)
+
+
+@settings(max_examples=100, deadline=None)
+@given(paths=prefix_paths, pool=st.integers(1, 8), policy=st.sampled_from(["vllm", "lru", "radix"]))
+def test_a_tier_that_never_evicts_reaches_the_infinite_bound(paths, pool, policy):
+    trace = trace_of(paths)
+    distinct = len({b for r in trace for b in r.hash_ids})
+    got = replay_with_tier(trace, policy, pool, LRUOffloadingManager(distinct))
+    bound = replay(trace, "infinite", pool)
+    assert [None if h is None else h[0] + h[1] for h in got.hits] == list(bound.hits)
+    assert got.tier_stats.evicted == 0
+
+
+def test_the_reuse_gate_costs_the_first_return_of_a_block():
+    # A, then A again, then A a third time, with the device pool too small to keep A between
+    # requests (B and C pass through it). Without the gate A is in the tier at its second
+    # request; with store_threshold=2 only at its third.
+    a, b, c = [1, 2, 3], [7, 8, 9], [4, 5, 6]
+    trace = [TraceRequest(float(i), 512 * 3, 1, tuple(ids)) for i, ids in enumerate([a, b, c, a, b, c, a])]
+    plain = replay_with_tier(trace, "vllm", 3, LRUOffloadingManager(16), concurrency=1)
+    gated = replay_with_tier(trace, "vllm", 3, FilterReusedOffloadingManager(LRUOffloadingManager(16)), concurrency=1)
+    assert [h[1] for h in plain.hits] == [0, 0, 0, 2, 2, 2, 2]
+    assert [h[1] for h in gated.hits] == [0, 0, 0, 0, 0, 0, 2]
