@@ -15,7 +15,7 @@ serves. Three kinds, as in vLLM v1:
   ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``. The inter-token
   latency is observed for every request at every step, so these are kept by ``EngineHistogram``
   (a bisect and two additions per observation; ``prometheus_client.Histogram`` spends 1.4 us on
-  one, a quarter of a decode step's host time at 128 requests) and exposed through the registry
+  one, a fifth of a decode step's host time at 128 requests) and exposed through the registry
   as a custom collector, in the same text format.
 
 An engine that speculates (chapter 14) also registers vLLM's speculative-decoding counters:

@@ -8,9 +8,9 @@ import gc
 def freeze_gc_heap() -> None:
     """Move every object alive after start-up (the model, the libraries, the app) into the
     garbage collector's permanent generation, which collections no longer scan (vLLM's
-    ``freeze_gc_heap``). Without it, each full collection while serving walks those millions of
-    objects again: 0.2 s of a burst of 100 streamed requests here, with the engine's thread
-    held. Collected first, so that no garbage is frozen with them."""
+    ``freeze_gc_heap``). Without it, each full collection while serving walks them all again --
+    420,000 objects with the tiny model, 0.2 s of a burst of 100 streamed requests here, with
+    the engine's thread held. Collected first, so that no garbage is frozen with them."""
     gc.collect()
     gc.freeze()
 
