@@ -129,10 +129,7 @@ class OffloadingManager:
         """Make room for the blocks of ``block_hashes`` that the tier does not hold yet and give
         them slots (not loadable until ``complete_store``). Returns None, changing nothing, when
         too few blocks can be evicted."""
-        to_store = []
-        for h in block_hashes:
-            if self._find(h) is None and h not in to_store:
-                to_store.append(h)
+        to_store = list(dict.fromkeys(h for h in block_hashes if self._find(h) is None))   # (each once, in order)
         victims = self._eviction_order(len(to_store) - len(self.free_block_ids), to_store)
         if victims is None:
             return None
