@@ -325,3 +325,28 @@ def test_the_reuse_gate_costs_the_first_return_of_a_block():
     gated = replay_with_tier(trace, "vllm", 3, FilterReusedOffloadingManager(LRUOffloadingManager(16)), concurrency=1)
     assert [h[1] for h in plain.hits] == [0, 0, 0, 2, 2, 2, 2]
     assert [h[1] for h in gated.hits] == [0, 0, 0, 0, 0, 0, 2]
+
+
+def test_storing_on_evict_keeps_what_the_pool_forgot_where_storing_on_compute_mirrors_it():
+    # Pool 3, one request at a time: A, B (which takes A's blocks), A again. A tier of 3 blocks
+    # that stores on compute holds B's blocks by then (the same as the pool: a mirror); one that
+    # stores on evict holds A's, which B pushed out of the pool.
+    trace = [TraceRequest(float(i), 512 * 3, 1, tuple(ids)) for i, ids in enumerate([[1, 2, 3], [4, 5, 6], [1, 2, 3]])]
+    on_compute = replay_with_tier(trace, "vllm", 3, LRUOffloadingManager(3), concurrency=1)
+    on_evict = replay_with_tier(trace, "vllm", 3, LRUOffloadingManager(3), concurrency=1, store="evict")
+    assert [h[1] for h in on_compute.hits] == [0, 0, 0]
+    assert [h[1] for h in on_evict.hits] == [0, 0, 2]
+    assert on_evict.tier_stats.stored == 3        # A's three blocks, when B took them
+    with pytest.raises(ValueError, match="'vllm' policy"):
+        replay_with_tier(trace, "radix", 3, LRUOffloadingManager(3), store="evict")
+
+
+@settings(max_examples=100, deadline=None)
+@given(paths=prefix_paths, pool=st.integers(1, 8), tier=st.integers(1, 12), concurrency=st.integers(1, 3))
+def test_storing_on_evict_adds_to_the_device_hits_within_the_bound(paths, pool, tier, concurrency):
+    trace = trace_of(paths)
+    got = replay_with_tier(trace, "vllm", pool, ARCOffloadingManager(tier), concurrency=concurrency, store="evict")
+    alone = replay(trace, "vllm", pool, concurrency=concurrency)
+    bound = replay(trace, "infinite", pool)
+    assert [h[0] if h else None for h in got.hits] == list(alone.hits)
+    assert all(h is None or h[0] + h[1] <= b for h, b in zip(got.hits, bound.hits))

@@ -5,15 +5,20 @@ copies of blocks. Each request, in trace order, at most ``concurrency`` holding 
 
 1. the device pool (a ``cache_policies`` policy) gives it its leading hits, as in ``replay``;
 2. the tier is looked up for the candidates after them (``lookup``): its leading run there is
-   loaded (``prepare_load`` / ``complete_load``) -- hits that cost a copy, not a prefill;
+   loaded (``prepare_load`` / ``complete_load``) -- hits that cost a copy, not a prefill -- and
+   is protected from eviction while the step's stores make room;
 3. the tier is told the request used all its candidates (``touch``);
-4. every block the request computed is stored in the tier (``prepare_store`` /
-   ``complete_store``) -- *store on compute*, as vLLM's offloading connector stores a block once
-   it is full, so the tier holds copies of blocks the device pool may still hold.
+4. ``store="compute"``: every block the request computed is stored in the tier
+   (``prepare_store`` / ``complete_store``) -- *store on compute*, as vLLM's offloading connector
+   stores a block once it is full, so the tier holds copies of blocks the device pool may still
+   hold. ``store="evict"`` (the ``vllm`` policy only): a block goes to the tier when the device
+   pool gives it up -- a cached block handed out for new content -- just before it is
+   overwritten, so the tier holds what the pool has forgotten and nothing else.
 
 The device pool sees exactly the calls it sees in ``replay`` (a block loaded from the tier is,
 for it, a block computed), so its hits are ``replay``'s; the tier can only add to them. With a
-tier that never evicts, every candidate seen before is a hit somewhere: the infinite bound.
+tier that stores on compute and never evicts, every candidate seen before is a hit somewhere: the
+infinite bound.
 """
 from __future__ import annotations
 
@@ -21,16 +26,40 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from course_pkg.block_manager import BlockManager
 from course_pkg.offload import OffloadingManager
 from course_pkg.offload.manager import OffloadStats
-from course_pkg.validation import check_positive_int
+from course_pkg.validation import check_choice, check_positive_int
+from course_pkg.workloads.cache_policies import VllmPolicy
 from course_pkg.workloads.replay import block_ids_of, make_policy
 from course_pkg.workloads.traces import TraceRequest
+
+STORES = ("compute", "evict")
+
+
+class EvictionNotingBlockManager(BlockManager):
+    """A device pool that notes the trace id of every cached block it gives up (``evicted``),
+    for the tier of ``store="evict"``: the stale-entry guard's one-line hook is where a cached
+    block is handed out for new content."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.evicted: list[int] = []
+
+    def _maybe_evict_cached_block(self, block) -> None:
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block.block_id:
+            self.evicted.append(block.token_ids[0])   # (one-token blocks: the token is the trace id)
+        super()._maybe_evict_cached_block(block)
+
+
+class EvictionNotingVllmPolicy(VllmPolicy):
+    manager_class = EvictionNotingBlockManager
 
 
 @dataclass(frozen=True)
 class TierReplayResult:
     policy: str
+    store: str                 # "compute" or "evict"
     num_blocks: int            # device pool
     tier_blocks: int
     concurrency: int
@@ -59,11 +88,17 @@ class TierReplayResult:
 
 
 def replay_with_tier(trace: list[TraceRequest], policy, num_blocks: int, tier: OffloadingManager,
-                     concurrency: int = 16) -> TierReplayResult:
+                     concurrency: int = 16, *, store: str = "compute") -> TierReplayResult:
     """Replay ``trace`` through ``policy`` on ``num_blocks`` device blocks with ``tier`` behind
-    it (a fresh manager: it is changed); see the module docstring."""
+    it (a fresh manager: it is changed), storing on ``store`` ("compute" or "evict"); see the
+    module docstring."""
     check_positive_int("num_blocks", num_blocks)
     check_positive_int("concurrency", concurrency)
+    check_choice("store", store, STORES)
+    if store == "evict":
+        if policy != "vllm":
+            raise ValueError(f"store='evict' replays the 'vllm' policy (the BlockManager), not {policy!r}")
+        policy = EvictionNotingVllmPolicy
     cache = make_policy(policy, num_blocks)
     if cache.offline:
         raise ValueError(f"{cache.name!r} needs the future; replay_with_tier runs online policies")
@@ -84,20 +119,27 @@ def replay_with_tier(trace: list[TraceRequest], policy, num_blocks: int, tier: O
         holding.append(handle)
         candidates = ids[:-1]
         from_tier = tier.lookup(candidates[device_hits:])
-        if from_tier:
-            loaded = candidates[device_hits:device_hits + from_tier]
-            tier.prepare_load(loaded)
-            tier.complete_load(loaded)
+        loaded = candidates[device_hits:device_hits + from_tier]
+        tier.prepare_load(loaded)   # (protected from eviction until loaded, as vLLM looks up first)
+        if store == "evict" and cache.block_manager.evicted:   # copied out before they are overwritten
+            _store(tier, cache.block_manager.evicted)
+            cache.block_manager.evicted.clear()
+        tier.complete_load(loaded)
         tier.touch(candidates)
-        out = tier.prepare_store(ids[device_hits + from_tier:])
-        if out is not None:
-            tier.complete_store(out.block_hashes_to_store)
+        if store == "compute":
+            _store(tier, ids[device_hits + from_tier:])
         hits[i] = (device_hits, from_tier)
     seconds = time.perf_counter() - start
     while holding:
         cache.release(holding.popleft())
     return TierReplayResult(
-        policy=cache.name or type(cache).__name__, num_blocks=num_blocks, tier_blocks=tier.num_blocks,
+        policy=cache.name or type(cache).__name__, store=store, num_blocks=num_blocks, tier_blocks=tier.num_blocks,
         concurrency=concurrency, num_requests=len(fits), device_hits=sum(hits[i][0] for i in fits),
         tier_hits=sum(hits[i][1] for i in fits), full_blocks=sum(len(all_ids[i]) - 1 for i in fits),
         tier_stats=tier.stats, hits=tuple(hits), seconds=seconds)
+
+
+def _store(tier: OffloadingManager, block_ids: list[int]) -> None:
+    out = tier.prepare_store(block_ids)   # (None: every block it could give up is in use -- not stored)
+    if out is not None:
+        tier.complete_store(out.block_hashes_to_store)
