@@ -47,9 +47,10 @@ class EvictionNotingBlockManager(BlockManager):
         self.evicted: list[int] = []
 
     def _maybe_evict_cached_block(self, block) -> None:
-        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block.block_id:
-            self.evicted.append(block.token_ids[0])   # (one-token blocks: the token is the trace id)
+        cached = len(self.hash_to_block_id)
         super()._maybe_evict_cached_block(block)
+        if len(self.hash_to_block_id) < cached:   # the guard dropped its entry: the pool forgot it
+            self.evicted.append(block.token_ids[0])   # (one-token blocks: the token is the trace id)
 
 
 class EvictionNotingVllmPolicy(VllmPolicy):
