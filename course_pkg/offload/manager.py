@@ -29,11 +29,12 @@ back for is not worth the copy.
 """
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import islice
 
+from course_pkg.offload.linked_dict import LinkedDict
 from course_pkg.validation import check_int, check_positive_int
 
 
@@ -187,7 +188,7 @@ class OffloadingManager:
         raise NotImplementedError
 
     @staticmethod
-    def _evictable(blocks: OrderedDict):
+    def _evictable(blocks: LinkedDict):
         """The hashes of ``blocks`` that may be evicted (ready, no load in flight), least
         recently used first: an iterator, so that finding a few costs no pass over all."""
         return (h for h, b in blocks.items() if b.ref_cnt == 0)
@@ -200,7 +201,7 @@ class LRUOffloadingManager(OffloadingManager):
 
     def __init__(self, num_blocks: int, medium: str = "CPU"):
         super().__init__(num_blocks, medium)
-        self.blocks: OrderedDict[int, TierBlock] = OrderedDict()   # least recently used first
+        self.blocks: LinkedDict[int, TierBlock] = LinkedDict()   # least recently used first
 
     def touch(self, block_hashes: Iterable[int]) -> None:
         for h in reversed(list(block_hashes)):
@@ -239,10 +240,10 @@ class ARCOffloadingManager(OffloadingManager):
 
     def __init__(self, num_blocks: int, medium: str = "CPU"):
         super().__init__(num_blocks, medium)
-        self.t1: OrderedDict[int, TierBlock] = OrderedDict()
-        self.t2: OrderedDict[int, TierBlock] = OrderedDict()
-        self.b1: OrderedDict[int, None] = OrderedDict()
-        self.b2: OrderedDict[int, None] = OrderedDict()
+        self.t1: LinkedDict[int, TierBlock] = LinkedDict()
+        self.t2: LinkedDict[int, TierBlock] = LinkedDict()
+        self.b1: LinkedDict[int, None] = LinkedDict()
+        self.b2: LinkedDict[int, None] = LinkedDict()
         self.p = 0   # the target size of t1 (ARC's p)
 
     def touch(self, block_hashes: Iterable[int]) -> None:
@@ -318,7 +319,7 @@ class FilterReusedOffloadingManager:
         self.backing = backing
         self.store_threshold = check_int("store_threshold", store_threshold, minimum=1)
         self.max_tracker_size = check_positive_int("max_tracker_size", max_tracker_size)
-        self.counts: OrderedDict[int, int] = OrderedDict()
+        self.counts: LinkedDict[int, int] = LinkedDict()
 
     def lookup(self, block_hashes: Iterable[int]) -> int:
         block_hashes = list(block_hashes)
