@@ -350,3 +350,64 @@ def test_storing_on_evict_adds_to_the_device_hits_within_the_bound(paths, pool, 
     bound = replay(trace, "infinite", pool)
     assert [h[0] if h else None for h in got.hits] == list(alone.hits)
     assert all(h is None or h[0] + h[1] <= b for h, b in zip(got.hits, bound.hits))
+
+
+# ---------------------------------------------------------------- LinkedDict: OrderedDict's calls, undoable
+
+dict_ops = st.lists(st.tuples(st.sampled_from(["set", "del", "pop", "move", "popfirst", "poplast"]),
+                              st.integers(0, 7), st.integers()), max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(script=dict_ops)
+def test_linked_dict_behaves_as_an_ordered_dict(script):
+    from collections import OrderedDict
+
+    from course_pkg.offload.linked_dict import LinkedDict
+
+    d, ref = LinkedDict(), OrderedDict()
+    for op, key, value in script:
+        for target in (d, ref):
+            try:
+                if op == "set":
+                    target[key] = value
+                elif op == "del":
+                    del target[key]
+                elif op == "pop":
+                    result = target.pop(key, None)
+                elif op == "move":
+                    target.move_to_end(key)
+                else:
+                    result = target.popitem(last=op == "poplast")
+                outcome = ("ok", result if op in ("pop", "popfirst", "poplast") else None)
+            except KeyError:
+                outcome = ("KeyError", None)
+            if target is d:
+                got = outcome
+        assert got == outcome
+        assert list(d.items()) == list(ref.items()) and len(d) == len(ref)
+        assert all((k in d) == (k in ref) for k in range(8))
+
+
+@settings(max_examples=100, deadline=None)
+@given(start=st.lists(st.integers(0, 7), unique=True, max_size=8), script=dict_ops)
+def test_a_journal_rolls_a_linked_dict_back_to_its_order(start, script):
+    """Inside a transaction any changes; after the rollback the same items in the same order --
+    what an OrderedDict under the journal could not give (it has no way to put a key back in
+    place)."""
+    from course_pkg.offload.linked_dict import LinkedDict
+    from course_pkg.undo import Journal
+
+    journal = Journal(follow=(LinkedDict,))
+    d = journal.adopt(LinkedDict((k, -k) for k in start))
+    before = list(d.items())
+    journal.begin()
+    for op, key, value in script:
+        try:
+            {"set": lambda: d.__setitem__(key, value), "del": lambda: d.__delitem__(key),
+             "pop": lambda: d.pop(key, None), "move": lambda: d.move_to_end(key),
+             "popfirst": lambda: d.popitem(last=False), "poplast": lambda: d.popitem()}[op]()
+        except KeyError:
+            pass
+    journal.rollback()
+    assert list(d.items()) == before and len(d) == len(before)
