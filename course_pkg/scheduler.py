@@ -40,6 +40,9 @@ from course_pkg.beam_search import BeamSearch, BeamStep
 from course_pkg.block import Block
 from course_pkg.block_manager import BlockManager, PrefixCacheStats
 from course_pkg.free_block_queue import FreeBlockQueue
+from course_pkg.offload.connector import KVTransferConfig, OffloadingConnector
+from course_pkg.offload.linked_dict import LinkedDict
+from course_pkg.offload.manager import FilterReusedOffloadingManager, OffloadingManager, OffloadStats, TierBlock
 from course_pkg.policies import (AdmissionPolicy, PreemptionPolicy, StepBuilder, make_admission_policy,
                                  make_preemption_policy)
 from course_pkg.sampling_params import BeamSearchParams
@@ -104,8 +107,9 @@ class SchedulerOutput:
     (``num_samples``): 0 for a chunk in the middle of a prompt, 1 normally, ``n`` when a
     request of ``n`` completions samples its first tokens -- the sequence then forks into
     ``n``. The block copies are ``(src, dst)`` block ids, to be made before the forward pass
-    in this order: swap-outs (device to CPU), copy-on-write, swap-ins (CPU to device), so
-    every read of a block comes before any write into it. ``registered_blocks`` are the blocks
+    in this order: stores into the tier (device block to tier slot, chapter 15), swap-outs
+    (device to CPU), copy-on-write, swap-ins (CPU to device), loads from the tier (tier slot to
+    device block), so every read of a block comes before any write into it. ``registered_blocks`` are the blocks
     registered in the prefix index when scheduled (``same_step_prefix_hits``).
 
     Speculative decoding (chapter 14): ``num_lookahead_tokens[i]`` slots after a decoding
@@ -137,6 +141,8 @@ class SchedulerOutput:
     blocks_to_copy: tuple[tuple[int, int], ...] = ()
     blocks_to_swap_in: tuple[tuple[int, int], ...] = ()
     registered_blocks: tuple[int, ...] = ()
+    blocks_to_store: tuple[tuple[int, int], ...] = ()
+    blocks_to_load: tuple[tuple[int, int], ...] = ()
     num_lookahead_tokens: tuple[int, ...] = ()
     scheduled_spec_decode_tokens: tuple[tuple[int, ...], ...] = ()
     num_logprobs: tuple[int, ...] = ()
@@ -163,6 +169,8 @@ class StepPlan:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     registered_blocks: list[int] = field(default_factory=list)
+    blocks_to_store: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)
     # Speculative decoding, by seq_id: the lookahead slots granted, the drafts proposed here.
     num_lookahead_tokens: dict[int, int] = field(default_factory=dict)
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
@@ -191,7 +199,7 @@ class Scheduler:
                  scheduling: str | AdmissionPolicy = "prefill_first",
                  preemption_mode: str | PreemptionPolicy = "recompute", num_cpu_blocks: int | None = None,
                  same_step_prefix_hits: bool = False, num_lookahead_tokens: int = 0, proposer=None,
-                 transactional: bool = True):
+                 kv_transfer_config: dict | KVTransferConfig | None = None, transactional: bool = True):
         """``block_manager``: an existing manager to schedule over (the engine's, built with its
         ``free_queue``; or a course foil such as ``foils.ForwardReleaseBlockManager``), instead of
         a new ``BlockManager(num_kvcache_blocks, block_size, enable_prefix_caching)``. Its pool
@@ -205,6 +213,8 @@ class Scheduler:
         and step (speculative decoding, chapter 14; 0: none). ``proposer``: a torch-free one
         (``NgramProposer``) that the scheduler runs itself, so that it takes slots only for
         drafts that exist; None: the model runner proposes into the slots.
+        ``kv_transfer_config``: a tier behind the device pool (chapter 15,
+        ``offload.connector.KVTransferConfig``; it needs prefix caching: blocks are found by hash).
 
         ``transactional=False``: the journal enrols nothing, so a step that raises is not undone
         -- for a simulation that runs no model (``workloads.harness.simulate``), where the
@@ -251,6 +261,11 @@ class Scheduler:
         self.spec_decoding_stats = SpecDecodingStats(num_lookahead_tokens)
         self.same_step_prefix_hits = same_step_prefix_hits
         self.cpu_pool: CpuBlockPool | None = self.preemption.cpu_pool
+        self.offload: OffloadingConnector | None = None   # the tier's side here (chapter 15)
+        if kv_transfer_config is not None:
+            kv_transfer_config = KVTransferConfig.from_dict(kv_transfer_config)
+            kv_transfer_config.check_pool(block_size, block_manager.enable_prefix_caching)
+            self.offload = OffloadingConnector(kv_transfer_config.make_manager(), block_manager)
         self.beam_searches: dict[int, BeamSearch] = {}   # request id -> its beam search (chapter 08)
         self.num_steps = 0
         # The step's transaction: from here on, every change to this scheduler and what it holds
@@ -434,6 +449,8 @@ class Scheduler:
         """
         with self._transaction(opens="schedule a new step"):
             plan = StepPlan()
+            if self.offload is not None:   # the last step's blocks go to the tier first (chapter 15)
+                plan.blocks_to_store += self.offload.begin_step()
             self.admission.schedule(StepBuilder(
                 schedule_prompts=partial(self._schedule_prompts, plan), schedule_decodes=partial(self._schedule_decodes, plan),
                 has_waiting=lambda: bool(self.waiting), token_budget=self.max_num_batched_tokens))
@@ -453,6 +470,7 @@ class Scheduler:
                 is_prefill=plan.num_prompt_seqs > 0, preempted=tuple(plan.preempted),
                 blocks_to_swap_out=tuple(plan.blocks_to_swap_out), blocks_to_copy=tuple(plan.blocks_to_copy),
                 blocks_to_swap_in=tuple(plan.blocks_to_swap_in), registered_blocks=tuple(plan.registered_blocks),
+                blocks_to_store=tuple(plan.blocks_to_store), blocks_to_load=tuple(plan.blocks_to_load),
                 num_lookahead_tokens=tuple(plan.num_lookahead_tokens.get(s.seq_id, 0) for s in plan.seqs)
                 if self.num_lookahead_tokens else (),
                 scheduled_spec_decode_tokens=tuple(tuple(plan.scheduled_spec_decode_tokens.get(s.seq_id, ()))
@@ -601,7 +619,8 @@ class Scheduler:
     def _admit(self, seq: Sequence, plan: StepPlan) -> bool:
         """Give the waiting ``seq`` its blocks, or return False if they do not fit.
 
-        A new or preempted request is allocated (counting its prefix-cache query and hits); a
+        A new or preempted request is allocated (counting its prefix-cache query and hits), and
+        the blocks after its hits are loaded from the tier if it holds them (chapter 15); a
         swapped one gets fresh blocks that its K/V are copied back into (the policy does it).
         """
         if seq.status == SequenceStatus.SWAPPED:
@@ -615,6 +634,8 @@ class Scheduler:
             if num_cached_blocks == -1:
                 return False
             self.block_manager.allocate(seq, num_cached_blocks)
+            if self.offload is not None:
+                plan.blocks_to_load += self.offload.load(seq)
         self._set_status(seq, SequenceStatus.RUNNING)
         return True
 
@@ -716,11 +737,16 @@ class Scheduler:
             if lookahead:
                 bm.free_lookahead_slots(seq)
         # Offer the blocks the step completed to other sequences -- a finishing sequence's too.
+        registered = list(out.registered_blocks)   # (same_step_prefix_hits: registered when scheduled)
         for seq in out.seqs:
             if seq.block_table:
+                before = len(seq.block_hashes)
                 bm.hash_blocks(seq)
+                registered += seq.block_table[before:len(seq.block_hashes)]
         for seq in finished:
             bm.deallocate(seq)
+        if self.offload is not None:   # the tier (chapter 15): the next step stores what this one registered
+            self.offload.end_step(out.blocks_to_store, registered)
         self.preemption.step_done(out.seqs)
         self.num_steps += 1
         return finished
@@ -934,6 +960,8 @@ class Scheduler:
         rollback cannot avoid, made as a transaction of its own."""
         with self._transaction(opens="deal with overwritten K/V", commits=True):
             damaged = {id(s) for s in self.block_manager.forget_overwritten(written)}
+            if self.offload is not None:
+                self.offload.forget_overwritten(written)
             running = [s for s in reversed(self.running) if id(s) in damaged]   # newest first
             chunked = [s for s in self.waiting if id(s) in damaged]   # a prompt part-way through its chunks
             for seq in running + chunked:
@@ -966,7 +994,8 @@ class Scheduler:
 #: What a step may change: the journal enrols the instances of these classes (subclasses too)
 #: that a Scheduler holds, and nothing else.
 STEP_STATE = (Scheduler, SchedulerStats, SpecDecodingStats, BlockManager, Block, FreeBlockQueue, PrefixCacheStats,
-              CpuBlockPool, Sequence, PreemptionPolicy, BeamSearch)
+              CpuBlockPool, Sequence, PreemptionPolicy, BeamSearch,
+              OffloadingConnector, OffloadingManager, FilterReusedOffloadingManager, TierBlock, OffloadStats, LinkedDict)
 share(Sequence._ids)   # the ids of new sequences: a fork undone gives its id back
 
 

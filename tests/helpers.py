@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from course_pkg import BlockManager, Sequence
+from course_pkg.offload import FilterReusedOffloadingManager
 
 
 def admit(bm: BlockManager, seq, compute: bool = True) -> Sequence:
@@ -128,3 +129,33 @@ class Fault:
             self.fired = True
             raise self.exc("injected fault")
         return self.fn(*args, **kwargs)
+
+
+def tier_state(connector) -> tuple:
+    """Everything the tier's side of a step may change (chapter 15), by value."""
+    m, gate = connector.manager, None
+    if isinstance(m, FilterReusedOffloadingManager):
+        gate, m = list(m.counts.items()), m.backing
+    lists = {name: [(h, None if b is None else (b.block_id, b.ref_cnt)) for h, b in getattr(m, name).items()]
+             for name in ("blocks", "t1", "t2", "b1", "b2") if hasattr(m, name)}
+    return (gate, lists, getattr(m, "p", None), list(m.free_block_ids), vars(m.stats).copy(), dict(connector.names),
+            list(connector.stores), dict(connector.storing), list(connector.loading),
+            (connector.stats.queries, connector.stats.hits, connector.stats.preempted_hits))
+
+
+def check_tier(connector) -> None:
+    """The tier's invariants between steps: no load in flight; the blocks being stored are
+    exactly those of the copies the next step makes; every hash held has its exact name; free
+    and held slots partition the tier."""
+    m = connector.manager
+    m = m.backing if isinstance(m, FilterReusedOffloadingManager) else m
+    held = {**m.blocks} if hasattr(m, "blocks") else {**m.t1, **m.t2}
+    assert not connector.loading, "a load is still in flight between steps"
+    assert all(b.ref_cnt in (0, -1) for b in held.values()), "a tier block is still protected by a load"
+    being_stored = {h for h, b in held.items() if b.ref_cnt == -1}
+    assert being_stored == set(connector.storing.values())
+    assert {slot for _, slot in connector.stores} == set(connector.storing)
+    assert all(held[h].block_id == slot for slot, h in connector.storing.items())
+    assert set(connector.names) == set(held), "a hash held without its name, or a name without its block"
+    slots = [b.block_id for b in held.values()]
+    assert sorted(slots + list(m.free_block_ids)) == list(range(m.num_blocks))

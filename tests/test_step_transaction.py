@@ -31,7 +31,7 @@ from course_pkg import LLM, SamplingParams, undo
 from course_pkg.models import default_model_path
 from course_pkg.sampling_params import BeamSearchParams
 from course_pkg.sequence import SequenceStatus
-from tests.helpers import Fault, check_invariants, state
+from tests.helpers import Fault, check_invariants, check_tier, state, tier_state
 
 MODEL = default_model_path()
 CPU = dict(device="cpu", dtype=torch.float32, attention_backend="torch")
@@ -45,6 +45,12 @@ CONFIGS = {
                                preemption_mode="swap", num_cpu_blocks=6),
     "mixed-recompute-same_step": dict(block_size=4, num_kvcache_blocks=14, max_num_batched_tokens=10,
                                       scheduling="mixed", same_step_prefix_hits=True),
+    # a tier behind the pool (chapter 15), small enough to evict, with loads on readmission
+    "prefill_first-recompute-tier_lru": dict(block_size=4, num_kvcache_blocks=14, max_num_batched_tokens=20,
+                                             kv_transfer_config={"kv_connector_extra_config": {"num_cpu_blocks": 6}}),
+    "mixed-recompute-same_step-tier_arc": dict(
+        block_size=4, num_kvcache_blocks=14, max_num_batched_tokens=10, scheduling="mixed", same_step_prefix_hits=True,
+        kv_transfer_config={"kv_connector_extra_config": {"num_cpu_blocks": 8, "eviction_policy": "arc"}}),
 }
 
 _rng = random.Random(17)
@@ -63,7 +69,11 @@ POINTS = [("scheduler", n) for n in ("schedule", "_schedule_prompts", "_schedule
                                          "hash_blocks", "allocate_for_swap_in", "_record_admission",
                                          "_match_prefix", "_maybe_evict_cached_block")] + \
          [("cpu_pool", n) for n in ("swap_out", "release")] + \
-         [("model_runner", n) for n in ("execute_model", "swap_out", "copy_blocks", "swap_in", "_forward")] + \
+         [("model_runner", n) for n in ("execute_model", "swap_out", "copy_blocks", "swap_in", "_forward",
+                                        "store_to_tier", "load_from_tier")] + \
+         [("offload", n) for n in ("load", "begin_step", "end_step", "_hashes")] + \
+         [("tier", n) for n in ("lookup", "prepare_load", "complete_load", "touch", "prepare_store", "complete_store",
+                                "_add", "_drop")] + \
          [("sampler", n) for n in ("sample", "_draw")]
 AT = [(1, RuntimeError), (2, KeyboardInterrupt), (4, RuntimeError), (7, KeyboardInterrupt)]
 
@@ -74,8 +84,10 @@ def one_thread(one_torch_thread):
 
 
 def holder(llm, where):
+    offload = llm.scheduler.offload
     return {"scheduler": llm.scheduler, "block_manager": llm.block_manager, "cpu_pool": llm.scheduler.cpu_pool,
-            "model_runner": llm.model_runner, "sampler": llm.model_runner.sampler}[where]
+            "model_runner": llm.model_runner, "sampler": llm.model_runner.sampler, "offload": offload,
+            "tier": offload.manager if offload is not None else None}[where]
 
 
 def snapshot(llm) -> dict:
@@ -106,6 +118,7 @@ def snapshot(llm) -> dict:
         "cpu pool": None if pool is None else (sorted(pool.swapped.items()), list(pool.free_block_ids)),
         "generators": generators,
         "engine": (llm.num_steps, sorted(llm._requests), list(llm._ready)),
+        "tier": None if sched.offload is None else tier_state(sched.offload),
     }
 
 
@@ -117,6 +130,7 @@ def without_dropped_entries(snap: dict, blocks: set[int]) -> dict:
         blocks=tuple((b, r, -1, ()) if b in blocks else (b, r, h, t) for b, r, h, t in m.blocks),
         hash_index=tuple((h, b) for h, b in m.hash_index if b not in blocks))
     snap["prefix ids"] = None
+    snap["tier"] = None   # (a store whose source block was overwritten failed: see check_tier)
     return snap
 
 
@@ -160,6 +174,8 @@ def run(llm, fault=None, checks=None):
 
 def compare(llm, before: dict, after: dict, kv_written: bool) -> str:
     """The state after an undone step against the state before it; returns which rule held."""
+    if llm.scheduler.offload is not None:
+        check_tier(llm.scheduler.offload)
     if after == before:
         return "exact"
     assert kv_written, "a step undone before it wrote any K/V must leave the engine exactly as it was"
@@ -215,6 +231,8 @@ def test_a_fault_at_any_call_of_a_step_undoes_the_step_and_changes_no_token(refe
             assert not llm.scheduler.journal.recording and llm.scheduler.is_finished()
             if llm.scheduler.cpu_pool is not None:
                 assert llm.scheduler.cpu_pool.num_free_blocks == llm.scheduler.cpu_pool.num_blocks
+            if llm.scheduler.offload is not None:
+                check_tier(llm.scheduler.offload)
         ref_metrics = llm.get_metrics()
     # Every entry point this configuration uses was hit by a fault, and most undos are exact.
     must_fire = {("scheduler", "schedule"), ("scheduler", "update_from_output"), ("scheduler", "_fork"),
@@ -223,6 +241,9 @@ def test_a_fault_at_any_call_of_a_step_undoes_the_step_and_changes_no_token(refe
                  ("sampler", "_draw"), ("scheduler", "preempt")}
     if "swap" in config:
         must_fire |= {("cpu_pool", "swap_out"), ("model_runner", "swap_in"), ("block_manager", "allocate_for_swap_in")}
+    if "tier" in config:
+        must_fire |= {("model_runner", "store_to_tier"), ("model_runner", "load_from_tier"), ("offload", "load"),
+                      ("offload", "end_step"), ("tier", "prepare_store"), ("tier", "_drop")}
     assert must_fire <= fired_points, f"never hit: {sorted(must_fire - fired_points)}"
     assert outcomes.get("exact", 0) > sum(outcomes.values()) / 2, outcomes
     assert ref_metrics.num_preemptions > 0
@@ -305,3 +326,38 @@ def test_an_undone_fork_gives_its_sequence_ids_back():
     del llm.block_manager.fork
     llm.step()
     assert [c.seq_id for c in llm.get_sequence(rid).children] == [rid + 1, rid + 2]
+
+
+class _AfterTheCopy:
+    """Let a tier copy write its bytes, then raise -- once, at the first copy that moves a block."""
+
+    def __init__(self, fn, exc):
+        self.fn, self.exc, self.fired = fn, exc, False
+
+    def __call__(self, pairs):
+        self.fn(pairs)
+        if pairs and not self.fired:
+            self.fired = True
+            raise self.exc("injected fault")
+
+
+@pytest.mark.parametrize("copy", ["load_from_tier", "store_to_tier"])
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_a_fault_after_a_tier_copy_wrote_its_bytes_is_undone(references, copy, exc):
+    """The bytes are in the tier or in fresh device blocks when the step fails: no half-loaded
+    block is registered, the tier keeps its invariants, and the tokens are those of a run that
+    never failed."""
+    config = "prefill_first-recompute-tier_lru"
+    llm = LLM(MODEL, **CPU, **CONFIGS[config])
+    runner = llm.model_runner
+    fault = _AfterTheCopy(getattr(runner, copy), exc)
+    setattr(runner, copy, fault)
+    checks: list[str] = []
+    try:
+        got = run(llm, fault, checks)
+    finally:
+        delattr(runner, copy)
+    assert fault.fired and len(checks) == 1
+    assert got == references[config]
+    check_invariants(llm.block_manager, [])
+    check_tier(llm.scheduler.offload)

@@ -18,6 +18,7 @@ import torch
 from course_pkg.block_manager import FREE_QUEUES
 from course_pkg.engine.spec_decode import SpeculativeConfig
 from course_pkg.models.attention import BACKENDS
+from course_pkg.offload.connector import KVTransferConfig
 from course_pkg.policies import ADMISSION_POLICIES, check_preemption_mode
 from course_pkg.scheduler import check_same_step_prefix_hits
 from course_pkg.validation import SEED_LIMIT, check_bool, check_choice, check_int, check_positive_int, check_real
@@ -38,7 +39,9 @@ class EngineConfig:
     chapter 10's. ``free_queue``: the BlockManager's free queue ("linked", O(1) revival; the
     BlockManager alone starts from chapter 02's "deque"). ``speculative_config`` is chapter 14's
     (``spec_decode.SpeculativeConfig``: vLLM's keys for ``ngram``, the course's own for
-    ``early_exit``; kept here checked, as that object).
+    ``early_exit``; kept here checked, as that object). ``kv_transfer_config`` is chapter 15's
+    tier behind the device pool (``offload.connector.KVTransferConfig``: vLLM's keys for its
+    ``OffloadingConnector``; kept checked, as that object).
     """
 
     model: str | Path | None = None
@@ -61,6 +64,7 @@ class EngineConfig:
     num_cpu_blocks: int | None = None
     same_step_prefix_hits: bool = False
     speculative_config: dict | SpeculativeConfig | None = None
+    kv_transfer_config: dict | KVTransferConfig | None = None
 
     def __post_init__(self):
         if self.model is not None:
@@ -100,7 +104,14 @@ class EngineConfig:
         check_bool("same_step_prefix_hits", self.same_step_prefix_hits)
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
+        if self.kv_transfer_config is not None:
+            object.__setattr__(self, "kv_transfer_config", KVTransferConfig.from_dict(self.kv_transfer_config))
         # The rules between fields.
+        if self.kv_transfer_config is not None:
+            self.kv_transfer_config.check_pool(self.block_size, self.enable_prefix_caching)   # the Scheduler's
+            if self.tensor_parallel_size > 1:
+                raise ValueError("kv_transfer_config is not supported with tensor_parallel_size > 1 (every rank "
+                                 "would have to move its shard of each block); use one of them")
         if self.speculative_config is not None and self.tensor_parallel_size > 1:
             raise ValueError("speculative_config is not supported with tensor_parallel_size > 1 (the ranks would "
                              "have to verify drafts together); use one of them")

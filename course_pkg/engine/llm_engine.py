@@ -89,7 +89,9 @@ class LLMEngine:
             max_model_len=self.max_model_len)
         if k == 1:
             self.model_runner = ModelRunner(self.model, self.config, **runner_kwargs,
-                                            num_cpu_blocks=cfg.num_cpu_blocks or 0, proposer=proposer)
+                                            num_cpu_blocks=cfg.num_cpu_blocks or 0, proposer=proposer,
+                                            num_offload_blocks=cfg.kv_transfer_config.num_cpu_blocks
+                                            if cfg.kv_transfer_config is not None else 0)
         else:
             from course_pkg.engine.tensor_parallel_runner import TensorParallelModelRunner
             self.model_runner = TensorParallelModelRunner.launch(
@@ -108,6 +110,7 @@ class LLMEngine:
             num_lookahead_tokens=spec.num_speculative_tokens if spec is not None else 0,
             # torch-free (n-gram): the scheduler proposes before it takes slots
             proposer=proposer if spec is not None and spec.method == "ngram" else None,
+            kv_transfer_config=cfg.kv_transfer_config,
             transactional=True)   # every step undone exactly if it raises (ARCHITECTURE.md, "The journal")
         self.block_size = cfg.block_size
         self.last_step: StepInfo | None = None
@@ -120,7 +123,8 @@ class LLMEngine:
         self._open_step: int | None = None                        # see _finish_interrupted_step
         self._lock = threading.RLock()
         self.prometheus = PrometheusMetrics(Path(model).name if model is not None else "course-tiny",
-                                            num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+                                            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                                            offload=cfg.kv_transfer_config is not None)
         self.prometheus.update(self.get_metrics())
 
     @property
@@ -491,6 +495,14 @@ class LLMEngine:
     def get_metrics(self) -> EngineMetrics:
         sched, bm = self.scheduler, self.scheduler.block_manager
         stats, cache, spec = sched.stats, bm.prefix_cache_stats, sched.spec_decoding_stats
+        tier = {}
+        if sched.offload is not None:
+            moved, block_bytes = sched.offload.manager.stats, self.model_runner.block_bytes
+            tier = dict(external_prefix_cache_queries=sched.offload.stats.queries,
+                        external_prefix_cache_hits=sched.offload.stats.hits, kv_offload_blocks_stored=moved.stored,
+                        kv_offload_blocks_loaded=moved.loaded, kv_offload_blocks_evicted=moved.evicted,
+                        kv_offload_bytes_stored=moved.stored * block_bytes,
+                        kv_offload_bytes_loaded=moved.loaded * block_bytes)
         return EngineMetrics(
             num_requests_running=len(sched.running), num_requests_waiting=len(sched.waiting),
             num_kvcache_blocks=bm.num_blocks, kv_cache_usage_perc=bm.kv_cache_usage,
@@ -504,7 +516,7 @@ class LLMEngine:
             cpu_kv_cache_usage_perc=sched.cpu_pool.usage if sched.cpu_pool is not None else 0.0,
             spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
-            spec_decode_num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos))
+            spec_decode_num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos), **tier)
 
 
 def beam_root_params(params: BeamSearchParams) -> SamplingParams:

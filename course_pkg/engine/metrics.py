@@ -23,6 +23,13 @@ An engine that speculates (chapter 14) also registers vLLM's speculative-decodin
 ``vllm:spec_decode_num_accepted_tokens`` and ``vllm:spec_decode_num_accepted_tokens_per_pos``
 (one child per draft position, label ``position``, 0-based).
 
+An engine with a tier behind its device pool (chapter 15) registers vLLM's
+``vllm:external_prefix_cache_queries`` and ``vllm:external_prefix_cache_hits`` (tokens asked of
+the tier at first admissions, and found there), and five counters of its own, with the course's
+prefix: ``course:kv_offload_blocks_stored``, ``_blocks_loaded``, ``_blocks_evicted``,
+``_bytes_stored`` and ``_bytes_loaded`` (vLLM reports its connector's transfers through
+connector-specific stats; these names are not claimed to be its).
+
 Counters cannot be set, only increased, so ``update`` adds what the engine's totals grew by
 since the last call. Two counters of this course carry its own prefix, not vLLM's, because vLLM
 v1 has no swapping: ``course:num_swapped_out`` and ``course:num_swap_fallbacks`` (swap
@@ -64,6 +71,19 @@ SPEC_DECODE_COUNTERS = {  # registered when the engine speculates (chapter 14), 
     "vllm:spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Number of draft tokens."),
     "vllm:spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Number of accepted tokens."),
 }
+OFFLOAD_COUNTERS = {  # registered when the engine has a tier (chapter 15)
+    "vllm:external_prefix_cache_queries": ("external_prefix_cache_queries",
+                                           "External prefix cache queries from KV connector cross-instance cache "
+                                           "sharing, in terms of number of queried tokens."),
+    "vllm:external_prefix_cache_hits": ("external_prefix_cache_hits",
+                                        "External prefix cache hits from KV connector cross-instance cache "
+                                        "sharing, in terms of number of cached tokens."),
+    "course:kv_offload_blocks_stored": ("kv_offload_blocks_stored", "Blocks copied into the tier."),
+    "course:kv_offload_blocks_loaded": ("kv_offload_blocks_loaded", "Blocks copied from the tier to the device."),
+    "course:kv_offload_blocks_evicted": ("kv_offload_blocks_evicted", "Blocks the tier gave up to make room."),
+    "course:kv_offload_bytes_stored": ("kv_offload_bytes_stored", "Bytes copied into the tier."),
+    "course:kv_offload_bytes_loaded": ("kv_offload_bytes_loaded", "Bytes copied from the tier to the device."),
+}
 SPEC_DECODE_PER_POS = ("vllm:spec_decode_num_accepted_tokens_per_pos",
                        "Accepted tokens per draft position.")
 HISTOGRAMS = {  # Prometheus name -> (buckets, help)
@@ -78,12 +98,13 @@ HISTOGRAMS = {  # Prometheus name -> (buckets, help)
 class PrometheusMetrics:
     """One engine's gauges, counters and histograms, labelled ``model_name`` and ``engine`` as in vLLM."""
 
-    def __init__(self, model_name: str, engine: str = "0", num_speculative_tokens: int = 0):
+    def __init__(self, model_name: str, engine: str = "0", num_speculative_tokens: int = 0, offload: bool = False):
         self.registry = CollectorRegistry()
         labels = dict(model_name=model_name, engine=engine)
         self.gauges = {name: Gauge(name, doc, list(labels), registry=self.registry).labels(**labels)
                        for name, (_, doc) in GAUGES.items()}
-        self.counter_fields = dict(COUNTERS, **(SPEC_DECODE_COUNTERS if num_speculative_tokens else {}))
+        self.counter_fields = dict(COUNTERS, **(SPEC_DECODE_COUNTERS if num_speculative_tokens else {}),
+                                   **(OFFLOAD_COUNTERS if offload else {}))
         self.counters = {name: Counter(name, doc, list(labels), registry=self.registry).labels(**labels)
                          for name, (_, doc) in self.counter_fields.items()}
         self.per_pos = []   # vLLM's per-position acceptance counter: one child per draft position

@@ -67,13 +67,16 @@ class ModelRunner:
     def __init__(self, model, config, *, block_size: int, attention_backend: str, seed: int,
                  num_kvcache_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
                  gpu_memory_utilization: float | None = None, max_num_batched_tokens: int | None = None,
-                 max_model_len: int | None = None, num_cpu_blocks: int = 0, proposer=None):
+                 max_model_len: int | None = None, num_cpu_blocks: int = 0, num_offload_blocks: int = 0,
+                 proposer=None):
         """The engine passes every setting from its ``EngineConfig`` (no default is decided here).
 
         The pool holds ``num_kvcache_blocks`` blocks, or what ``kv_cache_memory_bytes`` allows,
         or on CUDA what ``gpu_memory_utilization`` of the GPU leaves after a warm-up pass over
         ``max_num_batched_tokens`` tokens (both required then), or on a CPU a fixed budget.
         ``proposer``: the speculative proposer of chapter 14 (None: no speculation).
+        ``num_cpu_blocks``: the CPU pool that preemption swaps to (chapter 09);
+        ``num_offload_blocks``: the tier of chapter 15, another host tensor of the same layout.
         """
         param = next(model.parameters())
         self.model = model
@@ -97,6 +100,7 @@ class ModelRunner:
         # Per layer, (k_cache, v_cache): views into the one tensor, no copies.
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(self.num_layers)]
         self.cpu_kv_cache = self._allocate_cpu_cache(num_cpu_blocks)
+        self.offload_kv_cache = self._allocate_cpu_cache(num_offload_blocks)
         # Speculative decoding (chapter 14): a NgramProposer or an EarlyExitProposer, or None.
         self.proposer = proposer
         # The open step's part of the transaction (begin_step .. end_step or abort_step), or None.
@@ -119,20 +123,37 @@ class ModelRunner:
         A step's swap-outs run before anything else writes into the device cache: the scheduler
         frees a victim's blocks at once, and the same step may hand them out again.
         """
+        self._to_host(pairs, self.cpu_kv_cache)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy CPU blocks back into device blocks: ``pairs`` of (CPU block, device block)."""
+        self._from_host(pairs, self.cpu_kv_cache)
+
+    # ---------------------------------------------------------------- the tier (chapter 15)
+
+    def store_to_tier(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks into tier slots: ``pairs`` of (device block, tier slot). Run first in
+        a step: a stored block may be handed out again in it and written by its forward pass."""
+        self._to_host(pairs, self.offload_kv_cache)
+
+    def load_from_tier(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy tier slots into fresh device blocks: ``pairs`` of (tier slot, device block)."""
+        self._from_host(pairs, self.offload_kv_cache)
+
+    def _to_host(self, pairs: list[tuple[int, int]], host: torch.Tensor) -> None:
         if not pairs:
             return
         src = torch.tensor([d for d, _ in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([c for _, c in pairs], dtype=torch.long)
-        self.cpu_kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src).to("cpu"))
+        host.index_copy_(2, dst, self.kv_cache.index_select(2, src).to("cpu"))
 
-    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy CPU blocks back into device blocks: ``pairs`` of (CPU block, device block)."""
+    def _from_host(self, pairs: list[tuple[int, int]], host: torch.Tensor) -> None:
         if not pairs:
             return
         src = torch.tensor([c for c, _ in pairs], dtype=torch.long)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
         self._note_written((d, 0) for _, d in pairs)
-        blocks = self.cpu_kv_cache.index_select(2, src)
+        blocks = host.index_select(2, src)
         if self.device.type == "cuda":
             blocks = blocks.pin_memory()
         self.kv_cache.index_copy_(2, dst, blocks.to(self.device, non_blocking=True))
@@ -250,9 +271,11 @@ class ModelRunner:
         block before any write into it (a block freed by a preemption in this step may already
         be a copy's destination), then the forward pass and the sampling."""
         out = scheduler_output
+        self.store_to_tier(list(out.blocks_to_store))   # the last step's blocks, before anything writes
         self.swap_out(list(out.blocks_to_swap_out))
         self.copy_blocks(list(out.blocks_to_copy))   # copy-on-write, before the forward pass
         self.swap_in(list(out.blocks_to_swap_in))
+        self.load_from_tier(list(out.blocks_to_load))
         if any(out.num_lookahead_tokens):
             return self.execute_speculative(out)
         return self.run_with_logprobs(list(out.seqs), list(out.num_samples), list(out.num_logprobs) or None)

@@ -175,6 +175,15 @@ class EngineMetrics:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # the tier behind the device pool (chapter 15): per first admission, tokens asked of it and
+    # found in it (vLLM's external prefix cache); blocks and bytes moved, blocks it gave up
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_offload_blocks_stored: int = 0
+    kv_offload_blocks_loaded: int = 0
+    kv_offload_blocks_evicted: int = 0
+    kv_offload_bytes_stored: int = 0
+    kv_offload_bytes_loaded: int = 0
 
     @property
     def spec_decode_mean_acceptance_length(self) -> float:

@@ -1,6 +1,7 @@
 """A second tier behind the device pool: KV blocks kept in CPU memory, found again by hash (chapter 15)."""
+from course_pkg.offload.connector import KVTransferConfig, OffloadingConnector
 from course_pkg.offload.manager import (ARCOffloadingManager, FilterReusedOffloadingManager, LoadStoreSpec,
                                         LRUOffloadingManager, OffloadingManager, PrepareStoreOutput)
 
 __all__ = ["OffloadingManager", "LRUOffloadingManager", "ARCOffloadingManager", "FilterReusedOffloadingManager",
-           "LoadStoreSpec", "PrepareStoreOutput"]
+           "LoadStoreSpec", "PrepareStoreOutput", "KVTransferConfig", "OffloadingConnector"]
