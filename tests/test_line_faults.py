@@ -28,7 +28,7 @@ import pytest
 
 import course_pkg
 from course_pkg import LLM
-from tests.helpers import check_invariants
+from tests.helpers import check_invariants, check_tier
 from tests.test_step_transaction import CONFIGS, CPU, MODEL, PARAMS, PROMPTS
 
 TRACED = (str(Path(course_pkg.__file__).parent), contextlib.__file__)
@@ -36,7 +36,8 @@ TRACED = (str(Path(course_pkg.__file__).parent), contextlib.__file__)
 # SIGINT it holds; an exception injected into its clean-up could only leave the process's
 # Ctrl-C handler half restored, which no real fault can do.
 UNTRACED = {"deferred_interrupts", "_pass_on"}
-SWEEP = {"prefill_first-recompute": 12, "mixed-swap-same_step": 12}   # faulted runs per fault kind
+SWEEP = {"prefill_first-recompute": 12, "mixed-swap-same_step": 12,   # faulted runs per fault kind
+         "mixed-recompute-same_step-tier_arc": 8}
 KINDS = ("RuntimeError", "MemoryError", "SIGINT")
 
 
@@ -108,6 +109,11 @@ def check_after_fault(llm, ids, returned, tracer) -> None:
         check_invariants(llm.block_manager, live, between_steps=True)
     except AssertionError as e:
         raise AssertionError(f"{e} after a {where}") from None
+    if sched.offload is not None:
+        try:
+            check_tier(sched.offload)
+        except AssertionError as e:
+            raise AssertionError(f"{e} after a {where}") from None
     waiting = set(llm._requests) | set(llm._outbox)
     assert not waiting & set(returned), f"a returned request is still held after a {where}"
     assert set(ids) == waiting | set(returned), f"lost request(s) {set(ids) - waiting - set(returned)} after a {where}"
