@@ -212,3 +212,47 @@ def test_a_bad_kv_transfer_config_is_refused_by_name(config, message):
 def test_the_tier_refuses_what_it_cannot_serve(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(MODEL, **CPU, num_kvcache_blocks=8, kv_transfer_config=tier(4), **kwargs)
+
+
+def test_prompts_from_a_trace_share_tokens_exactly_where_the_requests_share_blocks():
+    from course_pkg.workloads.trace_engine import prompts_from_trace
+    from course_pkg.workloads.traces import MOONCAKE_CONVERSATION_TRACE, load_trace
+
+    trace = load_trace(MOONCAKE_CONVERSATION_TRACE, limit=120)
+    prompts = prompts_from_trace(trace, 4, 1000)
+    assert prompts == prompts_from_trace(trace, 4, 1000)   # the same draw every time
+    for r, p in zip(trace, prompts):
+        last = r.input_length - 512 * (len(r.hash_ids) - 1)
+        assert len(p) == 4 * (len(r.hash_ids) - 1) + max(1, min(4, round(last / 128)))
+        assert all(3 <= t < 1000 for t in p)
+    for a in range(0, 120, 7):
+        for b in range(a + 1, 120, 5):
+            ids_a, ids_b = trace[a].hash_ids, trace[b].hash_ids
+            common = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), min(len(ids_a), len(ids_b)))
+            tokens = next((i for i, (x, y) in enumerate(zip(prompts[a], prompts[b])) if x != y),
+                          min(len(prompts[a]), len(prompts[b])))
+            full = min(common, len(ids_a) - 1, len(ids_b) - 1)   # leading blocks both have in full
+            assert tokens >= 4 * full
+            if common < min(len(ids_a), len(ids_b)):   # a differing id: different tokens at once
+                assert tokens < 4 * (common + 1)
+
+
+def test_serving_a_trace_slice_with_the_tier_computes_less_and_gives_the_same_tokens():
+    from course_pkg.workloads.trace_engine import prompts_from_trace, serve_trace
+    from course_pkg.workloads.traces import MOONCAKE_CONVERSATION_TRACE, load_trace
+
+    trace = load_trace(MOONCAKE_CONVERSATION_TRACE, limit=150)
+    runs = []
+    for kv_transfer_config in (None, tier(4096)):   # (the first 150 requests store about 2,000 blocks)
+        llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=300, max_num_seqs=8,
+                  kv_transfer_config=kv_transfer_config)
+        served, _ = serve_trace(llm, prompts_from_trace(trace, 4, llm.config.vocab_size), 2, 8)
+        runs.append((served, llm.get_metrics()))
+    (plain, m0), (tiered, m1) = runs
+    assert [s.prompt_tokens for s in plain] == [s.prompt_tokens for s in tiered]
+    assert all(s.cached_tokens >= 0 and s.ttft > 0 for s in plain + tiered)
+    assert m1.generation_tokens == m0.generation_tokens
+    # per request, the tokens found at its first admission: the device's hits and the tier's
+    assert sum(s.cached_tokens for s in tiered) == m1.prefix_cache_hits + m1.external_prefix_cache_hits
+    assert m1.external_prefix_cache_hits > 0
+    assert m1.prefill_kv_computed_tokens < m0.prefill_kv_computed_tokens
