@@ -19,7 +19,8 @@ def test_every_chapter_is_there():
     names = [p.stem for p in NOTEBOOKS]
     for chapter in ["00_overview", "01_block", "02_block_manager", "03_lru_reversed_deallocate", "04_prefix_caching",
                     "05_triton_paged_attention", "06_engine", "07_claims", "08_forks_copy_on_write", "09_scheduling",
-                    "10_tensor_parallel", "11_real_traces", "12_sharing_safely", "13_serving", "14_speculative_decoding"]:
+                    "10_tensor_parallel", "11_real_traces", "12_sharing_safely", "13_serving", "14_speculative_decoding",
+                    "15_offloading"]:
         assert chapter in names
 
 
@@ -42,7 +43,7 @@ def test_notebook_is_executed_in_order_and_clean(path):
 
 
 CHAPTERS = [p for p in NOTEBOOKS if p.stem[:2] in {"00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12",
-                                                   "13", "14"}]
+                                                   "13", "14", "15"}]
 
 
 def headings(nb) -> list[str]:
@@ -148,6 +149,7 @@ NOT_MEASURED = {
     "08_forks_copy_on_write": {"6.1": "the vLLM paper's figure", "37.6": "the vLLM paper's figure"},
     "09_scheduling": {"0.3": "the workload's arrival rate, a parameter", "4.0": "PCIe 4.0"},
     "12_sharing_safely": {"1.96": "the normal quantile of a 95% interval"},
+    "15_offloading": {"5.0": "PCIe 5.0", "0.11": "a vLLM version", "90%": "the share of the bound set as the target, a threshold"},
 }
 
 

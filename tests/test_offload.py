@@ -411,3 +411,56 @@ def test_a_journal_rolls_a_linked_dict_back_to_its_order(start, script):
             pass
     journal.rollback()
     assert list(d.items()) == before and len(d) == len(before)
+
+
+def test_the_tier_policy_grader_passes_arc_fails_lru_and_flags_a_broken_contract():
+    from course_pkg.workloads.tier_replay import grade_tier_policy
+    from course_pkg.workloads.traces import MOONCAKE_TRACE, load_trace
+
+    trace = load_trace(MOONCAKE_TRACE, limit=1000)
+    arc = grade_tier_policy(ARCOffloadingManager, trace, tier_blocks=4000, scripts=100)
+    assert arc.passed and not arc.problems and arc.hit_ratio > arc.lru_hit_ratio
+    lru = grade_tier_policy(LRUOffloadingManager, trace, tier_blocks=4000, scripts=100)
+    assert not lru.passed and not lru.problems and lru.hit_ratio == lru.lru_hit_ratio
+
+    class EvictsBlocksInUse(LRUOffloadingManager):   # the first n blocks, loaded or being stored or not
+        def _eviction_order(self, n, incoming):
+            victims = list(self.blocks)[:max(n, 0)]
+            return victims if len(victims) == max(n, 0) else None
+
+    broken = grade_tier_policy(EvictsBlocksInUse, trace, tier_blocks=4000, scripts=100)
+    assert not broken.passed and "not all of them ready and free of loads" in broken.problems[0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(c=st.integers(1, 6), script=ops)
+def test_slru_decides_as_segmented_victims_says_on_plain_lists(c, script):
+    from course_pkg.offload import SLRUOffloadingManager
+    from course_pkg.offload.manager import segmented_victims
+
+    m = SLRUOffloadingManager(c)
+    loading: list[list[int]] = []
+    for op, hashes in script:
+        if op == "lookup":
+            m.lookup(hashes)
+        elif op == "touch":
+            m.touch(hashes)
+        elif op in ("store", "store_fail"):
+            in_use = {h for h, b in m.blocks.items() if b.ref_cnt != 0}
+            order, protected = list(m.blocks), set(m.protected)
+            need = len(dict.fromkeys(h for h in hashes if h not in m)) - len(m.free_block_ids)
+            want = segmented_victims(order, in_use, protected, need)
+            out = m.prepare_store(hashes)
+            assert (out is None) == (want is None)
+            if out is not None:
+                assert out.block_hashes_evicted == want
+                m.complete_store(hashes, success=op == "store")
+        elif op == "load":
+            n = m.lookup(hashes)
+            if n:
+                m.prepare_load(hashes[:n])
+                loading.append(hashes[:n])
+        elif loading:
+            m.complete_load(loading.pop(0))
+        assert m.protected <= set(m.blocks)
+        check_slots(m, m.blocks)

@@ -194,7 +194,7 @@ def test_a_request_the_device_pool_forgot_is_served_from_the_tier_counted_by_han
     ({"kv_connector_extra_config": {"num_cpu_blocks": 4, "evicton_policy": "lru"}},
      "unknown kv_connector_extra_config key 'evicton_policy'"),
     ({"kv_connector_extra_config": {"num_cpu_blocks": 4, "disk_path": "/tmp/x"}}, "disk tier is not built yet"),
-    ({"kv_connector_extra_config": {}}, "needs 'num_cpu_blocks'"),
+    ({"kv_connector_extra_config": {}}, "the tier.s size once"),
     ({"kv_connector_extra_config": {"num_cpu_blocks": 0}}, "num_cpu_blocks"),
     ({"kv_connector_extra_config": {"num_cpu_blocks": 4, "eviction_policy": "lfu"}}, "eviction_policy"),
     ({"kv_connector_extra_config": {"num_cpu_blocks": 4, "block_size": 32}}, "block_size=32"),
@@ -252,7 +252,24 @@ def test_serving_a_trace_slice_with_the_tier_computes_less_and_gives_the_same_to
     assert [s.prompt_tokens for s in plain] == [s.prompt_tokens for s in tiered]
     assert all(s.cached_tokens >= 0 and s.ttft > 0 for s in plain + tiered)
     assert m1.generation_tokens == m0.generation_tokens
+    assert [s.token_ids for s in plain] == [s.token_ids for s in tiered] and all(s.token_ids for s in plain)
     # per request, the tokens found at its first admission: the device's hits and the tier's
     assert sum(s.cached_tokens for s in tiered) == m1.prefix_cache_hits + m1.external_prefix_cache_hits
     assert m1.external_prefix_cache_hits > 0
     assert m1.prefill_kv_computed_tokens < m0.prefill_kv_computed_tokens
+
+
+def test_the_tier_sized_in_bytes_gets_the_blocks_that_fit():
+    """``cpu_bytes_to_use`` (later vLLM's key) becomes whole blocks of this model's size."""
+    probe = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=8)
+    block_bytes = probe.model_runner.block_bytes
+    llm = LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=8,
+              kv_transfer_config={"kv_connector_extra_config": {"cpu_bytes_to_use": 10 * block_bytes + block_bytes // 2}})
+    assert llm.scheduler.offload.manager.num_blocks == 10
+    assert llm.model_runner.offload_kv_cache.shape[2] == 10
+    with pytest.raises(ValueError, match="once"):
+        LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=8,
+            kv_transfer_config={"kv_connector_extra_config": {"cpu_bytes_to_use": 10**6, "num_cpu_blocks": 4}})
+    with pytest.raises(ValueError, match="room for no block"):
+        LLM(MODEL, **CPU, block_size=4, num_kvcache_blocks=8,
+            kv_transfer_config={"kv_connector_extra_config": {"cpu_bytes_to_use": block_bytes - 1}})

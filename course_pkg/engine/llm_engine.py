@@ -39,7 +39,7 @@ from pathlib import Path
 
 from course_pkg.engine.config import EngineConfig
 from course_pkg.engine.inputs import PromptType, parse_prompt
-from course_pkg.engine.model_runner import ModelRunner
+from course_pkg.engine.model_runner import ModelRunner, kv_block_bytes
 from course_pkg.engine.outputs import (CompletionOutput, EngineCoreOutput, EngineMetrics, ModelRunnerOutput,
                                        RequestMetrics, RequestOutput, StepInfo)
 from course_pkg.beam_search import BeamSearch
@@ -80,6 +80,9 @@ class LLMEngine:
             self.config, self.tokenizer = load_config(path), load_tokenizer(path)
             check_tensor_parallel_size(k, self.config, device.type)
         self.max_model_len, spec = cfg.check_against_model(self.config)
+        kv_transfer = cfg.kv_transfer_config   # (chapter 15; a size in bytes becomes blocks of this model's)
+        if kv_transfer is not None:
+            kv_transfer = kv_transfer.in_blocks(kv_block_bytes(self.config, cfg.block_size, dtype))
         self.speculative_config = spec
         proposer = make_proposer(spec) if spec is not None else None
         runner_kwargs = dict(
@@ -90,8 +93,7 @@ class LLMEngine:
         if k == 1:
             self.model_runner = ModelRunner(self.model, self.config, **runner_kwargs,
                                             num_cpu_blocks=cfg.num_cpu_blocks or 0, proposer=proposer,
-                                            num_offload_blocks=cfg.kv_transfer_config.num_cpu_blocks
-                                            if cfg.kv_transfer_config is not None else 0)
+                                            num_offload_blocks=kv_transfer.num_cpu_blocks if kv_transfer else 0)
         else:
             from course_pkg.engine.tensor_parallel_runner import TensorParallelModelRunner
             self.model_runner = TensorParallelModelRunner.launch(
@@ -110,7 +112,7 @@ class LLMEngine:
             num_lookahead_tokens=spec.num_speculative_tokens if spec is not None else 0,
             # torch-free (n-gram): the scheduler proposes before it takes slots
             proposer=proposer if spec is not None and spec.method == "ngram" else None,
-            kv_transfer_config=cfg.kv_transfer_config,
+            kv_transfer_config=kv_transfer,
             transactional=True)   # every step undone exactly if it raises (ARCHITECTURE.md, "The journal")
         self.block_size = cfg.block_size
         self.last_step: StepInfo | None = None
@@ -360,7 +362,8 @@ class LLMEngine:
             sampled=tuple((s.seq_id, t[0] if len(t) == 1 else list(t))
                           for s, t in zip(out.seqs, result.sampled_token_ids) if t),
             preempted=tuple(s.seq_id for s in out.preempted), finished=tuple(ready),
-            copies=out.blocks_to_copy, swap_out=out.blocks_to_swap_out, swap_in=out.blocks_to_swap_in)
+            copies=out.blocks_to_copy, swap_out=out.blocks_to_swap_out, swap_in=out.blocks_to_swap_in,
+            store=out.blocks_to_store, load=out.blocks_to_load)
         return self._core_outputs(out, result, finished) if deltas else {}
 
     def _finish_interrupted_step(self) -> None:

@@ -52,6 +52,13 @@ def resolve_backend(attention_backend: str, device: torch.device) -> str:
     return check_choice("attention_backend", attention_backend, BACKENDS)
 
 
+def kv_block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block of a model with ``config``: K and V, every layer, ``block_size`` tokens."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * head_dim * itemsize
+
+
 @dataclass
 class _OpenStep:
     """The runner's part of an open step: where the sampler's generators stood when it began,
@@ -163,8 +170,7 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block across all layers: K and V, ``block_size`` tokens each."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return kv_block_bytes(self.config, self.block_size, self.dtype)
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -206,8 +206,9 @@ class StepInfo:
     ``(seq_id, token_id)``, ``preempted`` the sequences sent back to waiting, ``finished`` the
     requests handed out, ``copies`` the copy-on-write ``(src, dst)`` blocks copied before the
     forward pass, ``swap_out``/``swap_in`` the ``(src, dst)`` block copies of chapter 09's swapping
-    (device to CPU, CPU to device). (A request's first sequence has the request's id; its forks
-    have their own.)
+    (device to CPU, CPU to device), ``store``/``load`` those of chapter 15's tier (device block to
+    tier slot, tier slot to device block). (A request's first sequence has the request's id; its
+    forks have their own.)
     """
 
     step: int
@@ -219,6 +220,8 @@ class StepInfo:
     copies: tuple[tuple[int, int], ...] = ()
     swap_out: tuple[tuple[int, int], ...] = ()
     swap_in: tuple[tuple[int, int], ...] = ()
+    store: tuple[tuple[int, int], ...] = ()
+    load: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -236,4 +239,6 @@ class StepInfo:
             text += "; preempted " + ", ".join(name(r) for r in self.preempted)
         if self.finished:
             text += "; finished " + ", ".join(name(r) for r in self.finished)
+        if self.store or self.load:
+            text += f"; tier: stored {len(self.store)}, loaded {len(self.load)} block(s)"
         return text

@@ -37,15 +37,16 @@ source block was overwritten, and then that store fails (``forget_overwritten`` 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from course_pkg.block_manager import BlockManager, PrefixCacheStats
 from course_pkg.offload.manager import (ARCOffloadingManager, FilterReusedOffloadingManager, LRUOffloadingManager,
-                                        OffloadingManager)
+                                        OffloadingManager, SLRUOffloadingManager)
 from course_pkg.sequence import Sequence
 from course_pkg.validation import check_choice, check_int, check_positive_int
 
-EVICTION_POLICIES = {"lru": LRUOffloadingManager, "arc": ARCOffloadingManager}
+EVICTION_POLICIES = {"lru": LRUOffloadingManager, "arc": ARCOffloadingManager,
+                     "slru": SLRUOffloadingManager}   # (the last is the course's, not vLLM's)
 #: vLLM's ``KVTransferConfig`` fields that the course's tier does not have (refused by name).
 _NOT_HERE = {"kv_buffer_device", "kv_buffer_size", "kv_rank", "kv_parallel_size", "kv_ip", "kv_port", "engine_id",
              "kv_connector_module_path", "kv_load_failure_policy"}
@@ -54,14 +55,17 @@ _NOT_HERE = {"kv_buffer_device", "kv_buffer_size", "kv_rank", "kv_parallel_size"
 @dataclass(frozen=True)
 class KVTransferConfig:
     """``kv_transfer_config``, checked: vLLM's keys, for vLLM's ``OffloadingConnector`` with a CPU
-    tier. ``kv_connector_extra_config`` takes ``num_cpu_blocks`` (required), ``eviction_policy``
-    ("lru" or "arc"), ``store_threshold`` (store a block only once ``lookup`` has been asked for
+    tier. ``kv_connector_extra_config`` takes the tier's size -- ``num_cpu_blocks`` (vLLM 0.11's key)
+    or ``cpu_bytes_to_use`` (later versions'; the engine turns it into blocks, ``in_blocks``) --
+    ``eviction_policy``
+    ("lru" or "arc", vLLM's; or the course's "slru"), ``store_threshold`` (store a block only once ``lookup`` has been asked for
     it that many times; below 2: no gate) with ``max_tracker_size``, and ``block_size`` (only the
     device's: the course's tier stores whole device blocks)."""
 
     kv_connector: str = "OffloadingConnector"
     kv_role: str = "kv_both"
     num_cpu_blocks: int = 0
+    cpu_bytes_to_use: int | None = None
     eviction_policy: str = "lru"
     store_threshold: int = 0
     max_tracker_size: int = 64_000
@@ -83,7 +87,8 @@ class KVTransferConfig:
         extra = config.get("kv_connector_extra_config", {})
         if not isinstance(extra, Mapping):
             raise TypeError(f"kv_connector_extra_config must be a dict, got {type(extra).__name__}")
-        known = ("num_cpu_blocks", "eviction_policy", "store_threshold", "max_tracker_size", "block_size")
+        known = ("num_cpu_blocks", "cpu_bytes_to_use", "eviction_policy", "store_threshold", "max_tracker_size",
+                 "block_size")
         for key in extra:
             if key in ("disk_path", "num_disk_blocks"):
                 raise ValueError(f"kv_connector_extra_config key {key!r}: the disk tier is not built yet; "
@@ -91,8 +96,9 @@ class KVTransferConfig:
             if key not in known:
                 raise ValueError(f"unknown kv_connector_extra_config key {key!r}; known: "
                                  f"{', '.join(repr(k) for k in known)}")
-        if "num_cpu_blocks" not in extra:
-            raise ValueError("kv_connector_extra_config needs 'num_cpu_blocks', the tier's size in blocks")
+        if ("num_cpu_blocks" in extra) == ("cpu_bytes_to_use" in extra):
+            raise ValueError("kv_connector_extra_config needs the tier's size once: 'num_cpu_blocks' (in blocks) "
+                             "or 'cpu_bytes_to_use' (in bytes)")
         return cls(kv_connector=config.get("kv_connector", "OffloadingConnector"),
                    kv_role=config.get("kv_role", "kv_both"),
                    **{key: extra[key] for key in known if key in extra})
@@ -100,12 +106,24 @@ class KVTransferConfig:
     def __post_init__(self):
         check_choice("kv_connector", self.kv_connector, ("OffloadingConnector",))
         check_choice("kv_role", self.kv_role, ("kv_both",))   # the tier both stores and loads
-        check_positive_int("num_cpu_blocks", self.num_cpu_blocks)
+        if self.cpu_bytes_to_use is None:
+            check_positive_int("num_cpu_blocks", self.num_cpu_blocks)
+        else:
+            check_positive_int("cpu_bytes_to_use", self.cpu_bytes_to_use)
         check_choice("eviction_policy", self.eviction_policy, tuple(EVICTION_POLICIES))
         check_int("store_threshold", self.store_threshold, minimum=0)
         check_positive_int("max_tracker_size", self.max_tracker_size)
         if self.block_size is not None:
             check_positive_int("block_size", self.block_size)
+
+    def in_blocks(self, block_bytes: int) -> "KVTransferConfig":
+        """This config with the tier's size in blocks of ``block_bytes`` (K and V, every layer)."""
+        if self.cpu_bytes_to_use is None:
+            return self
+        num_blocks = self.cpu_bytes_to_use // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"cpu_bytes_to_use={self.cpu_bytes_to_use} leaves room for no block of {block_bytes} bytes")
+        return replace(self, num_cpu_blocks=num_blocks, cpu_bytes_to_use=None)
 
     def check_pool(self, block_size: int, enable_prefix_caching: bool) -> None:
         """The rules between the tier and the device pool (the Scheduler checks them, and
@@ -118,6 +136,8 @@ class KVTransferConfig:
                              "hash they are registered under, and enable_prefix_caching is False")
 
     def make_manager(self) -> OffloadingManager | FilterReusedOffloadingManager:
+        if self.cpu_bytes_to_use is not None:
+            raise ValueError("the tier is sized in bytes (cpu_bytes_to_use): turn it into blocks first (in_blocks)")
         manager = EVICTION_POLICIES[self.eviction_policy](self.num_cpu_blocks)
         if self.store_threshold >= 2:
             return FilterReusedOffloadingManager(manager, self.store_threshold, self.max_tracker_size)

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import islice
+from itertools import chain, islice
 
 from course_pkg.offload.linked_dict import LinkedDict
 from course_pkg.validation import check_int, check_positive_int
@@ -222,6 +222,48 @@ class LRUOffloadingManager(OffloadingManager):
             return []
         victims = list(islice(self._evictable(self.blocks), n))
         return victims if len(victims) == n else None
+
+
+class SLRUOffloadingManager(LRUOffloadingManager):
+    """Segmented LRU: a block asked for again after it was stored (a ``touch`` once it is ready)
+    is *protected*; to make room the tier gives up unprotected blocks first, least recently used
+    first, and protected ones only when no unprotected block may go. It is ARC's split into T1
+    and T2 without ARC's learning -- the target size of T1 fixed at 0 -- and the chapter's
+    exercise (``segmented_victims`` is the same decision, on plain lists)."""
+
+    def __init__(self, num_blocks: int, medium: str = "CPU"):
+        super().__init__(num_blocks, medium)
+        self.protected: set[int] = set()
+
+    def touch(self, block_hashes: Iterable[int]) -> None:
+        block_hashes = list(block_hashes)
+        for h in block_hashes:
+            block = self.blocks.get(h)
+            if block is not None and block.is_ready:
+                self.protected.add(h)
+        super().touch(block_hashes)
+
+    def _drop(self, h, evicted):
+        super()._drop(h, evicted)
+        self.protected.discard(h)
+
+    def _eviction_order(self, n, incoming):
+        if n <= 0:
+            return []
+        evictable = self._evictable(self.blocks)
+        first = (h for h in evictable if h not in self.protected)
+        then = (h for h in self._evictable(self.blocks) if h in self.protected)
+        victims = list(islice(chain(first, then), n))
+        return victims if len(victims) == n else None
+
+
+def segmented_victims(order: list[int], in_use: set[int], protected: set[int], n: int) -> list[int] | None:
+    """SLRU's choice on plain lists: the ``n`` hashes to evict from ``order`` (least recently used
+    first), never one ``in_use`` (being loaded or stored), unprotected ones first; None if fewer
+    than ``n`` may go."""
+    free = [h for h in order if h not in in_use]
+    victims = ([h for h in free if h not in protected] + [h for h in free if h in protected])[:max(n, 0)]
+    return victims if len(victims) == max(n, 0) else None
 
 
 class ARCOffloadingManager(OffloadingManager):

@@ -144,3 +144,99 @@ def _store(tier: OffloadingManager, block_ids: list[int]) -> None:
     out = tier.prepare_store(block_ids)   # (None: every block it could give up is in use -- not stored)
     if out is not None:
         tier.complete_store(out.block_hashes_to_store)
+
+
+@dataclass(frozen=True)
+class PolicyGrade:
+    """``grade_tier_policy``'s verdict: the contract checks, and the replay against LRU's."""
+
+    problems: tuple[str, ...]    # broken rules of the contract (empty: none)
+    hit_ratio: float             # the policy's, on the replay
+    lru_hit_ratio: float         # LRU's, on the same replay
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems and self.hit_ratio > self.lru_hit_ratio
+
+    def __str__(self) -> str:
+        lines = [f"contract: {'kept' if not self.problems else 'BROKEN'}"] + [f"  - {p}" for p in self.problems]
+        lines.append(f"replay: hit ratio {self.hit_ratio:.2%} against LRU's {self.lru_hit_ratio:.2%} "
+                     f"({'better' if self.hit_ratio > self.lru_hit_ratio else 'not better'})")
+        return "\n".join(lines)
+
+
+def grade_tier_policy(manager_class, trace: list[TraceRequest], num_blocks: int = 2000, tier_blocks: int = 8000,
+                      *, scripts: int = 300, seed: int = 0) -> PolicyGrade:
+    """Grade a tier policy of your own (chapter 15): ``manager_class(n)`` is an ``OffloadingManager``.
+
+    First the contract, on ``scripts`` random call sequences of tiers of 1 to 6 blocks (seeded):
+    ``prepare_store`` evicts only ready blocks that no load holds, exactly as many as it needs,
+    and returns None -- changing nothing -- only when fewer than that may be evicted; free and
+    held slots always partition the tier. Then the replay: the trace through a device pool of
+    ``num_blocks`` and the tier at ``tier_blocks``, against LRU's tier of the same size. It
+    passes when the contract holds and it hits more than LRU."""
+    import random
+
+    rng = random.Random(seed)
+    problems: list[str] = []
+    for _ in range(scripts):
+        c = rng.randint(1, 6)
+        m = manager_class(c)
+        loading: list[list[int]] = []
+        for _ in range(rng.randint(1, 40)):
+            op = rng.choice(["lookup", "touch", "store", "store_fail", "load", "done"])
+            hashes = [rng.randint(0, 11) for _ in range(rng.randint(1, 5))]
+            try:
+                _one_call(m, op, hashes, loading, problems)
+            except Exception as e:   # noqa: BLE001 -- a broken policy may break the tier's own calls
+                problems.append(f"{op}({hashes}) raised {type(e).__name__}: {e}")
+            slots = [m._find(h).block_id for h in range(12) if h in m]
+            if sorted(slots + list(m.free_block_ids)) != list(range(c)):
+                problems.append(f"after {op}({hashes}): the slots held {sorted(slots)} and free "
+                                f"{sorted(m.free_block_ids)} do not partition the tier")
+            if problems:
+                break
+        if problems:
+            break
+    lru = replay_with_tier(trace, "vllm", num_blocks, _lru(tier_blocks))
+    mine = replay_with_tier(trace, "vllm", num_blocks, manager_class(tier_blocks))
+    return PolicyGrade(tuple(problems[:5]), mine.hit_ratio, lru.hit_ratio)
+
+
+def _one_call(m, op: str, hashes: list[int], loading: list[list[int]], problems: list[str]) -> None:
+    """One call of ``grade_tier_policy``'s scripts, with the contract's checks."""
+    if op == "lookup":
+        m.lookup(hashes)
+    elif op == "touch":
+        m.touch(hashes)
+    elif op in ("store", "store_fail"):
+        new = list(dict.fromkeys(h for h in hashes if h not in m))
+        need = len(new) - (m.num_blocks - len(m))
+        held = {h: b for h in range(12) if h in m for b in [m._find(h)]}
+        evictable = {h for h, b in held.items() if b.is_ready and b.ref_cnt == 0}
+        out = m.prepare_store(hashes)
+        if out is None:
+            if need <= len(evictable):
+                problems.append(f"prepare_store({hashes}) returned None with {len(evictable)} evictable "
+                                f"blocks for {need} needed")
+        else:
+            if not set(out.block_hashes_evicted) <= evictable:
+                problems.append(f"prepare_store({hashes}) evicted {out.block_hashes_evicted}, not all of "
+                                f"them ready and free of loads")
+            if len(out.block_hashes_evicted) != max(need, 0):
+                problems.append(f"prepare_store({hashes}) evicted {len(out.block_hashes_evicted)} blocks "
+                                f"to make room for {need}")
+            m.complete_store(hashes, success=op == "store")
+    elif op == "load":
+        n = m.lookup(hashes)
+        if n:
+            m.prepare_load(hashes[:n])
+            loading.append(hashes[:n])
+    elif loading:
+        m.complete_load(loading.pop(0))
+
+
+def _lru(n: int):
+    from course_pkg.offload import LRUOffloadingManager
+
+    return LRUOffloadingManager(n)

@@ -46,11 +46,13 @@ def prompts_from_trace(trace: list[TraceRequest], tokens_per_block: int, vocab_s
 @dataclass(frozen=True)
 class ServedRequest:
     """One request as the engine served it: prompt tokens, those it did not compute (found in the
-    device pool or loaded from a tier: ``RequestOutput.num_cached_tokens``), time to first token."""
+    device pool or loaded from a tier: ``RequestOutput.num_cached_tokens``), time to first token,
+    the tokens it generated."""
 
     prompt_tokens: int
     cached_tokens: int
     ttft: float
+    token_ids: tuple[int, ...] = ()
 
 
 def serve_trace(llm, prompts: list[list[int]], max_tokens: int, concurrency: int) -> tuple[list[ServedRequest], float]:
@@ -71,5 +73,6 @@ def serve_trace(llm, prompts: list[list[int]], max_tokens: int, concurrency: int
             ids[llm.add_request(prompt, params)] = i
         for out in llm.step():
             served[ids[out.request_id]] = ServedRequest(len(out.prompt_token_ids), out.num_cached_tokens,
-                                                        out.metrics.time_to_first_token)
+                                                        out.metrics.time_to_first_token,
+                                                        tuple(out.outputs[0].token_ids))
     return [served[i] for i in range(len(prompts))], time.perf_counter() - start
