@@ -41,6 +41,7 @@ from course_pkg.block import Block
 from course_pkg.block_manager import BlockManager, PrefixCacheStats
 from course_pkg.free_block_queue import FreeBlockQueue
 from course_pkg.offload.connector import KVTransferConfig, OffloadingConnector
+from course_pkg.offload.disk import DiskTier
 from course_pkg.offload.linked_dict import LinkedDict
 from course_pkg.offload.manager import FilterReusedOffloadingManager, OffloadingManager, OffloadStats, TierBlock
 from course_pkg.policies import (AdmissionPolicy, PreemptionPolicy, StepBuilder, make_admission_policy,
@@ -107,9 +108,10 @@ class SchedulerOutput:
     (``num_samples``): 0 for a chunk in the middle of a prompt, 1 normally, ``n`` when a
     request of ``n`` completions samples its first tokens -- the sequence then forks into
     ``n``. The block copies are ``(src, dst)`` block ids, to be made before the forward pass
-    in this order: stores into the tier (device block to tier slot, chapter 15), swap-outs
-    (device to CPU), copy-on-write, swap-ins (CPU to device), loads from the tier (tier slot to
-    device block), so every read of a block comes before any write into it. ``registered_blocks`` are the blocks
+    in this order: stores into the tier (device block to tier slot, and with a disk tier
+    ``(device block, hash, digest)`` written to disk; chapter 15), swap-outs (device to CPU),
+    copy-on-write, swap-ins (CPU to device), loads from the tier (tier slot to device block, and
+    ``(bytes read from disk, device block)``), so every read of a block comes before any write into it. ``registered_blocks`` are the blocks
     registered in the prefix index when scheduled (``same_step_prefix_hits``).
 
     Speculative decoding (chapter 14): ``num_lookahead_tokens[i]`` slots after a decoding
@@ -143,6 +145,8 @@ class SchedulerOutput:
     registered_blocks: tuple[int, ...] = ()
     blocks_to_store: tuple[tuple[int, int], ...] = ()
     blocks_to_load: tuple[tuple[int, int], ...] = ()
+    blocks_to_store_on_disk: tuple[tuple[int, int, bytes], ...] = ()
+    blocks_to_load_from_disk: tuple[tuple[bytes, int], ...] = ()
     num_lookahead_tokens: tuple[int, ...] = ()
     scheduled_spec_decode_tokens: tuple[tuple[int, ...], ...] = ()
     num_logprobs: tuple[int, ...] = ()
@@ -171,6 +175,8 @@ class StepPlan:
     registered_blocks: list[int] = field(default_factory=list)
     blocks_to_store: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_load: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_store_on_disk: list[tuple[int, int, bytes]] = field(default_factory=list)
+    blocks_to_load_from_disk: list[tuple[bytes, int]] = field(default_factory=list)
     # Speculative decoding, by seq_id: the lookahead slots granted, the drafts proposed here.
     num_lookahead_tokens: dict[int, int] = field(default_factory=dict)
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
@@ -199,7 +205,8 @@ class Scheduler:
                  scheduling: str | AdmissionPolicy = "prefill_first",
                  preemption_mode: str | PreemptionPolicy = "recompute", num_cpu_blocks: int | None = None,
                  same_step_prefix_hits: bool = False, num_lookahead_tokens: int = 0, proposer=None,
-                 kv_transfer_config: dict | KVTransferConfig | None = None, transactional: bool = True):
+                 kv_transfer_config: dict | KVTransferConfig | None = None, disk_tier: DiskTier | None = None,
+                 transactional: bool = True):
         """``block_manager``: an existing manager to schedule over (the engine's, built with its
         ``free_queue``; or a course foil such as ``foils.ForwardReleaseBlockManager``), instead of
         a new ``BlockManager(num_kvcache_blocks, block_size, enable_prefix_caching)``. Its pool
@@ -214,7 +221,8 @@ class Scheduler:
         (``NgramProposer``) that the scheduler runs itself, so that it takes slots only for
         drafts that exist; None: the model runner proposes into the slots.
         ``kv_transfer_config``: a tier behind the device pool (chapter 15,
-        ``offload.connector.KVTransferConfig``; it needs prefix caching: blocks are found by hash).
+        ``offload.connector.KVTransferConfig``; it needs prefix caching: blocks are found by hash),
+        with ``disk_tier`` (an ``offload.disk.DiskTier``) when it names a disk tier.
 
         ``transactional=False``: the journal enrols nothing, so a step that raises is not undone
         -- for a simulation that runs no model (``workloads.harness.simulate``), where the
@@ -265,7 +273,7 @@ class Scheduler:
         if kv_transfer_config is not None:
             kv_transfer_config = KVTransferConfig.from_dict(kv_transfer_config)
             kv_transfer_config.check_pool(block_size, block_manager.enable_prefix_caching)
-            self.offload = OffloadingConnector(kv_transfer_config.make_manager(), block_manager)
+            self.offload = kv_transfer_config.make_connector(block_manager, disk_tier)
         self.beam_searches: dict[int, BeamSearch] = {}   # request id -> its beam search (chapter 08)
         self.num_steps = 0
         # The step's transaction: from here on, every change to this scheduler and what it holds
@@ -450,7 +458,7 @@ class Scheduler:
         with self._transaction(opens="schedule a new step"):
             plan = StepPlan()
             if self.offload is not None:   # the last step's blocks go to the tier first (chapter 15)
-                plan.blocks_to_store += self.offload.begin_step()
+                plan.blocks_to_store, plan.blocks_to_store_on_disk = self.offload.begin_step()
             self.admission.schedule(StepBuilder(
                 schedule_prompts=partial(self._schedule_prompts, plan), schedule_decodes=partial(self._schedule_decodes, plan),
                 has_waiting=lambda: bool(self.waiting), token_budget=self.max_num_batched_tokens))
@@ -471,6 +479,8 @@ class Scheduler:
                 blocks_to_swap_out=tuple(plan.blocks_to_swap_out), blocks_to_copy=tuple(plan.blocks_to_copy),
                 blocks_to_swap_in=tuple(plan.blocks_to_swap_in), registered_blocks=tuple(plan.registered_blocks),
                 blocks_to_store=tuple(plan.blocks_to_store), blocks_to_load=tuple(plan.blocks_to_load),
+                blocks_to_store_on_disk=tuple(plan.blocks_to_store_on_disk),
+                blocks_to_load_from_disk=tuple(plan.blocks_to_load_from_disk),
                 num_lookahead_tokens=tuple(plan.num_lookahead_tokens.get(s.seq_id, 0) for s in plan.seqs)
                 if self.num_lookahead_tokens else (),
                 scheduled_spec_decode_tokens=tuple(tuple(plan.scheduled_spec_decode_tokens.get(s.seq_id, ()))
@@ -635,7 +645,9 @@ class Scheduler:
                 return False
             self.block_manager.allocate(seq, num_cached_blocks)
             if self.offload is not None:
-                plan.blocks_to_load += self.offload.load(seq)
+                loads, reads = self.offload.load(seq)
+                plan.blocks_to_load += loads
+                plan.blocks_to_load_from_disk += reads
         self._set_status(seq, SequenceStatus.RUNNING)
         return True
 
@@ -737,16 +749,13 @@ class Scheduler:
             if lookahead:
                 bm.free_lookahead_slots(seq)
         # Offer the blocks the step completed to other sequences -- a finishing sequence's too.
-        registered = list(out.registered_blocks)   # (same_step_prefix_hits: registered when scheduled)
         for seq in out.seqs:
             if seq.block_table:
-                before = len(seq.block_hashes)
                 bm.hash_blocks(seq)
-                registered += seq.block_table[before:len(seq.block_hashes)]
+        if self.offload is not None:   # the tier (chapter 15): the next step stores what this one registered
+            self.offload.end_step(out)
         for seq in finished:
             bm.deallocate(seq)
-        if self.offload is not None:   # the tier (chapter 15): the next step stores what this one registered
-            self.offload.end_step(out.blocks_to_store, registered)
         self.preemption.step_done(out.seqs)
         self.num_steps += 1
         return finished

@@ -138,9 +138,15 @@ def tier_state(connector) -> tuple:
         gate, m = list(m.counts.items()), m.backing
     lists = {name: [(h, None if b is None else (b.block_id, b.ref_cnt)) for h, b in getattr(m, name).items()]
              for name in ("blocks", "t1", "t2", "b1", "b2") if hasattr(m, name)}
+    disk = None
+    if connector.disk is not None:
+        d = connector.disk_manager
+        disk = ([(h, b.block_id, b.ref_cnt) for h, b in (d.blocks.items() if hasattr(d, "blocks") else [])],
+                list(d.free_block_ids), vars(d.stats).copy(), dict(connector.disk_names), list(connector.writes),
+                list(connector.disk_loading))
     return (gate, lists, getattr(m, "p", None), list(m.free_block_ids), vars(m.stats).copy(), dict(connector.names),
             list(connector.stores), dict(connector.storing), list(connector.loading),
-            (connector.stats.queries, connector.stats.hits, connector.stats.preempted_hits))
+            (connector.stats.queries, connector.stats.hits, connector.stats.preempted_hits), disk)
 
 
 def check_tier(connector) -> None:
@@ -159,3 +165,11 @@ def check_tier(connector) -> None:
     assert set(connector.names) == set(held), "a hash held without its name, or a name without its block"
     slots = [b.block_id for b in held.values()]
     assert sorted(slots + list(m.free_block_ids)) == list(range(m.num_blocks))
+    if connector.disk is not None:   # the disk tier: the same rules, and a file for every block written
+        d = connector.disk_manager
+        on_disk = {**d.blocks} if hasattr(d, "blocks") else {**d.t1, **d.t2}
+        assert not connector.disk_loading and all(b.ref_cnt in (0, -1) for b in on_disk.values())
+        assert {h for h, b in on_disk.items() if b.ref_cnt == -1} == {h for _, h, _ in connector.writes}
+        assert set(connector.disk_names) == set(on_disk)
+        ready = [h for h, b in on_disk.items() if b.ref_cnt == 0]
+        assert all(connector.disk.file(h).exists() for h in ready), "a block the disk tier holds has no file"

@@ -106,7 +106,7 @@ def tier_copies_equal_the_device_blocks(llm) -> int:
     compared = 0
     for h, tier_block in blocks.items():
         device_id = bm.hash_to_block_id.get(h)
-        if not tier_block.is_ready or device_id is None or bm.blocks[device_id].prefix_id != off.names[h][0]:
+        if not tier_block.is_ready or device_id is None:   # (no collision is forced here: one hash, one prefix)
             continue
         torch.testing.assert_close(runner.offload_kv_cache[:, :, tier_block.block_id], runner.kv_cache[:, :, device_id],
                                    rtol=1e-4, atol=1e-4)
@@ -169,8 +169,9 @@ def test_a_request_the_device_pool_forgot_is_served_from_the_tier_counted_by_han
     m = llm.get_metrics()
     assert (m.prefix_cache_hits, m.external_prefix_cache_hits) == (0, 0)
     assert m.external_prefix_cache_queries == 3 * 13
-    # A's and B's 3 full blocks each are in the tier; C's are decided, and the next step copies them.
-    assert m.kv_offload_blocks_stored == 6 and len(llm.scheduler.offload.stores) == 3
+    # 3 full blocks each of A, B and C: a step's blocks are copied by the next step, and generate()
+    # ends with a step that runs nothing but C's copies (flush_kv_transfer).
+    assert m.kv_offload_blocks_stored == 9 and not llm.scheduler.offload.stores
     out = llm.generate([a], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)[0]
     assert out.token_ids == hf_greedy(hf_model, a, 3)
     assert out.num_cached_tokens == 12   # as vLLM counts it: the local and the external hit
@@ -193,7 +194,7 @@ def test_a_request_the_device_pool_forgot_is_served_from_the_tier_counted_by_han
     ({"kv_connector_extra_config": {"num_cpu_blocks": 4}, "kv_conector": "x"}, "unknown kv_transfer_config key 'kv_conector'"),
     ({"kv_connector_extra_config": {"num_cpu_blocks": 4, "evicton_policy": "lru"}},
      "unknown kv_connector_extra_config key 'evicton_policy'"),
-    ({"kv_connector_extra_config": {"num_cpu_blocks": 4, "disk_path": "/tmp/x"}}, "disk tier is not built yet"),
+    ({"kv_connector_extra_config": {"num_cpu_blocks": 4, "disk_path": "some/dir"}}, "needs both disk_path and num_disk_blocks"),
     ({"kv_connector_extra_config": {}}, "the tier.s size once"),
     ({"kv_connector_extra_config": {"num_cpu_blocks": 0}}, "num_cpu_blocks"),
     ({"kv_connector_extra_config": {"num_cpu_blocks": 4, "eviction_policy": "lfu"}}, "eviction_policy"),

@@ -21,6 +21,7 @@ test_forks.py, test_scheduling.py).
 from __future__ import annotations
 
 import gc
+import tempfile
 import random
 from dataclasses import astuple
 
@@ -48,6 +49,11 @@ CONFIGS = {
     # a tier behind the pool (chapter 15), small enough to evict, with loads on readmission
     "prefill_first-recompute-tier_lru": dict(block_size=4, num_kvcache_blocks=14, max_num_batched_tokens=20,
                                              kv_transfer_config={"kv_connector_extra_config": {"num_cpu_blocks": 6}}),
+    # ... and a disk tier behind a CPU tier of 4 (its own directory per test process)
+    "prefill_first-recompute-tier_disk": dict(
+        block_size=4, num_kvcache_blocks=14, max_num_batched_tokens=20,
+        kv_transfer_config={"kv_connector_extra_config": {
+            "num_cpu_blocks": 4, "disk_path": tempfile.mkdtemp(prefix="course-disk-tier-"), "num_disk_blocks": 12}}),
     "mixed-recompute-same_step-tier_arc": dict(
         block_size=4, num_kvcache_blocks=14, max_num_batched_tokens=10, scheduling="mixed", same_step_prefix_hits=True,
         kv_transfer_config={"kv_connector_extra_config": {"num_cpu_blocks": 8, "eviction_policy": "arc"}}),

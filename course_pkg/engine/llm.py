@@ -111,6 +111,7 @@ class LLM(LLMEngine):
             finally:
                 if bar is not None:
                     bar.close()
+            self.flush_kv_transfer()   # (a tier stores a step's blocks in the next step: make those now)
             return [outputs[i] for i in ids]
 
     def _abandon(self, pending: set[int], outputs: dict[int, RequestOutput], received: list[RequestOutput]) -> None:

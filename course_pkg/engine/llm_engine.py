@@ -81,8 +81,11 @@ class LLMEngine:
             check_tensor_parallel_size(k, self.config, device.type)
         self.max_model_len, spec = cfg.check_against_model(self.config)
         kv_transfer = cfg.kv_transfer_config   # (chapter 15; a size in bytes becomes blocks of this model's)
+        disk_tier = None
         if kv_transfer is not None:
             kv_transfer = kv_transfer.in_blocks(kv_block_bytes(self.config, cfg.block_size, dtype))
+            if kv_transfer.disk_path is not None:
+                disk_tier = open_disk_tier(kv_transfer.disk_path, model, self.config, cfg.block_size, dtype)
         self.speculative_config = spec
         proposer = make_proposer(spec) if spec is not None else None
         runner_kwargs = dict(
@@ -93,7 +96,8 @@ class LLMEngine:
         if k == 1:
             self.model_runner = ModelRunner(self.model, self.config, **runner_kwargs,
                                             num_cpu_blocks=cfg.num_cpu_blocks or 0, proposer=proposer,
-                                            num_offload_blocks=kv_transfer.num_cpu_blocks if kv_transfer else 0)
+                                            num_offload_blocks=kv_transfer.num_cpu_blocks if kv_transfer else 0,
+                                            disk_tier=disk_tier)
         else:
             from course_pkg.engine.tensor_parallel_runner import TensorParallelModelRunner
             self.model_runner = TensorParallelModelRunner.launch(
@@ -112,7 +116,7 @@ class LLMEngine:
             num_lookahead_tokens=spec.num_speculative_tokens if spec is not None else 0,
             # torch-free (n-gram): the scheduler proposes before it takes slots
             proposer=proposer if spec is not None and spec.method == "ngram" else None,
-            kv_transfer_config=kv_transfer,
+            kv_transfer_config=kv_transfer, disk_tier=disk_tier,
             transactional=True)   # every step undone exactly if it raises (ARCHITECTURE.md, "The journal")
         self.block_size = cfg.block_size
         self.last_step: StepInfo | None = None
@@ -300,6 +304,15 @@ class LLMEngine:
         if request_id not in self._requests:
             raise KeyError(f"no unfinished request with id {request_id}")
         return self._requests[request_id].seq
+
+    def flush_kv_transfer(self) -> None:
+        """Make the copies into the tier that the last step decided (chapter 15: a step's blocks are
+        stored by the next one), with steps that run no sequence, so that a disk tier holds every
+        block computed so far -- before the engine stops, or another one reads the directory. Only
+        when no request is unfinished (else the next step makes them anyway)."""
+        offload = self.scheduler.offload
+        while offload is not None and (offload.stores or offload.writes) and not self.has_unfinished_requests():
+            self.step()
 
     def has_unfinished_requests(self) -> bool:
         """True while some request's output has not been handed out by ``step()``."""
@@ -506,6 +519,9 @@ class LLMEngine:
                         kv_offload_blocks_loaded=moved.loaded, kv_offload_blocks_evicted=moved.evicted,
                         kv_offload_bytes_stored=moved.stored * block_bytes,
                         kv_offload_bytes_loaded=moved.loaded * block_bytes)
+            if sched.offload.disk_manager is not None:
+                disk = sched.offload.disk_manager.stats
+                tier.update(kv_offload_disk_blocks_stored=disk.stored, kv_offload_disk_blocks_loaded=disk.loaded)
         return EngineMetrics(
             num_requests_running=len(sched.running), num_requests_waiting=len(sched.waiting),
             num_kvcache_blocks=bm.num_blocks, kv_cache_usage_perc=bm.kv_cache_usage,
@@ -564,3 +580,16 @@ class _Request:
     metrics: RequestMetrics
     num_cached_tokens: int = field(default=0)
     beam_search: BeamSearch | None = None   # (chapter 08) set for a beam search's request
+
+
+def open_disk_tier(path, model, config, block_size: int, dtype):
+    """The disk tier's directory for this model (chapter 15), refused if written for another model,
+    block size, dtype or layout (``offload.disk.DiskTier``)."""
+    from course_pkg.models import default_model_path
+    from course_pkg.offload.disk import DiskTier, model_identity
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layout = {"model": model_identity(default_model_path() if model is None else model), "block_size": block_size,
+              "dtype": str(dtype).removeprefix("torch."), "num_layers": config.num_hidden_layers,
+              "num_kv_heads": config.num_key_value_heads, "head_dim": head_dim}
+    return DiskTier(path, layout, kv_block_bytes(config, block_size, dtype))

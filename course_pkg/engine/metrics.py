@@ -83,6 +83,8 @@ OFFLOAD_COUNTERS = {  # registered when the engine has a tier (chapter 15)
     "course:kv_offload_blocks_evicted": ("kv_offload_blocks_evicted", "Blocks the tier gave up to make room."),
     "course:kv_offload_bytes_stored": ("kv_offload_bytes_stored", "Bytes copied into the tier."),
     "course:kv_offload_bytes_loaded": ("kv_offload_bytes_loaded", "Bytes copied from the tier to the device."),
+    "course:kv_offload_disk_blocks_stored": ("kv_offload_disk_blocks_stored", "Blocks written to the disk tier."),
+    "course:kv_offload_disk_blocks_loaded": ("kv_offload_disk_blocks_loaded", "Blocks read from the disk tier."),
 }
 SPEC_DECODE_PER_POS = ("vllm:spec_decode_num_accepted_tokens_per_pos",
                        "Accepted tokens per draft position.")

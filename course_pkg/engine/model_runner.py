@@ -75,7 +75,7 @@ class ModelRunner:
                  num_kvcache_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
                  gpu_memory_utilization: float | None = None, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, num_cpu_blocks: int = 0, num_offload_blocks: int = 0,
-                 proposer=None):
+                 disk_tier=None, proposer=None):
         """The engine passes every setting from its ``EngineConfig`` (no default is decided here).
 
         The pool holds ``num_kvcache_blocks`` blocks, or what ``kv_cache_memory_bytes`` allows,
@@ -83,7 +83,8 @@ class ModelRunner:
         ``max_num_batched_tokens`` tokens (both required then), or on a CPU a fixed budget.
         ``proposer``: the speculative proposer of chapter 14 (None: no speculation).
         ``num_cpu_blocks``: the CPU pool that preemption swaps to (chapter 09);
-        ``num_offload_blocks``: the tier of chapter 15, another host tensor of the same layout.
+        ``num_offload_blocks``: the tier of chapter 15, another host tensor of the same layout;
+        ``disk_tier``: the disk tier's directory behind it (an ``offload.disk.DiskTier``), or None.
         """
         param = next(model.parameters())
         self.model = model
@@ -108,6 +109,7 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(self.num_layers)]
         self.cpu_kv_cache = self._allocate_cpu_cache(num_cpu_blocks)
         self.offload_kv_cache = self._allocate_cpu_cache(num_offload_blocks)
+        self.disk_tier = disk_tier
         # Speculative decoding (chapter 14): a NgramProposer or an EarlyExitProposer, or None.
         self.proposer = proposer
         # The open step's part of the transaction (begin_step .. end_step or abort_step), or None.
@@ -146,6 +148,22 @@ class ModelRunner:
     def load_from_tier(self, pairs: list[tuple[int, int]]) -> None:
         """Copy tier slots into fresh device blocks: ``pairs`` of (tier slot, device block)."""
         self._from_host(pairs, self.offload_kv_cache)
+
+    def store_on_disk(self, blocks: list[tuple[int, int, bytes]]) -> None:
+        """Write device blocks to the disk tier: ``(device block, hash, prefix digest)`` each, one
+        file per block (``DiskTier.write``: whole or absent)."""
+        for block_id, block_hash, digest in blocks:
+            data = self.kv_cache[:, :, block_id].contiguous().cpu()
+            self.disk_tier.write(block_hash, digest, data.view(torch.uint8).numpy().tobytes())
+
+    def load_from_disk(self, blocks: list[tuple[bytes, int]]) -> None:
+        """Copy blocks read from the disk tier (checked there) into fresh device blocks:
+        ``(bytes, device block)`` each."""
+        shape = self.kv_cache[:, :, 0].shape
+        self._note_written((d, 0) for _, d in blocks)
+        for payload, block_id in blocks:
+            data = torch.frombuffer(bytearray(payload), dtype=self.dtype).view(shape)
+            self.kv_cache[:, :, block_id] = data.to(self.device)
 
     def _to_host(self, pairs: list[tuple[int, int]], host: torch.Tensor) -> None:
         if not pairs:
@@ -278,10 +296,12 @@ class ModelRunner:
         be a copy's destination), then the forward pass and the sampling."""
         out = scheduler_output
         self.store_to_tier(list(out.blocks_to_store))   # the last step's blocks, before anything writes
+        self.store_on_disk(list(out.blocks_to_store_on_disk))
         self.swap_out(list(out.blocks_to_swap_out))
         self.copy_blocks(list(out.blocks_to_copy))   # copy-on-write, before the forward pass
         self.swap_in(list(out.blocks_to_swap_in))
         self.load_from_tier(list(out.blocks_to_load))
+        self.load_from_disk(list(out.blocks_to_load_from_disk))
         if any(out.num_lookahead_tokens):
             return self.execute_speculative(out)
         return self.run_with_logprobs(list(out.seqs), list(out.num_samples), list(out.num_logprobs) or None)

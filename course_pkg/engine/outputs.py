@@ -184,6 +184,8 @@ class EngineMetrics:
     kv_offload_blocks_evicted: int = 0
     kv_offload_bytes_stored: int = 0
     kv_offload_bytes_loaded: int = 0
+    kv_offload_disk_blocks_stored: int = 0    # the disk tier behind it: blocks written, read back
+    kv_offload_disk_blocks_loaded: int = 0
 
     @property
     def spec_decode_mean_acceptance_length(self) -> float:

@@ -36,10 +36,12 @@ source block was overwritten, and then that store fails (``forget_overwritten`` 
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from course_pkg.block_manager import BlockManager, PrefixCacheStats
+from course_pkg.offload.disk import DiskTier, prefix_digests
 from course_pkg.offload.manager import (ARCOffloadingManager, FilterReusedOffloadingManager, LRUOffloadingManager,
                                         OffloadingManager, SLRUOffloadingManager)
 from course_pkg.sequence import Sequence
@@ -57,6 +59,8 @@ class KVTransferConfig:
     """``kv_transfer_config``, checked: vLLM's keys, for vLLM's ``OffloadingConnector`` with a CPU
     tier. ``kv_connector_extra_config`` takes the tier's size -- ``num_cpu_blocks`` (vLLM 0.11's key)
     or ``cpu_bytes_to_use`` (later versions'; the engine turns it into blocks, ``in_blocks``) --
+    and, for a disk tier behind it (the course's keys: vLLM's later ``TieringOffloadingSpec`` takes
+    ``secondary_tiers`` instead), ``disk_path``, ``num_disk_blocks`` and ``disk_eviction_policy``;
     ``eviction_policy``
     ("lru" or "arc", vLLM's; or the course's "slru"), ``store_threshold`` (store a block only once ``lookup`` has been asked for
     it that many times; below 2: no gate) with ``max_tracker_size``, and ``block_size`` (only the
@@ -70,6 +74,9 @@ class KVTransferConfig:
     store_threshold: int = 0
     max_tracker_size: int = 64_000
     block_size: int | None = None
+    disk_path: str | None = None
+    num_disk_blocks: int | None = None
+    disk_eviction_policy: str = "lru"
 
     @classmethod
     def from_dict(cls, config) -> "KVTransferConfig":
@@ -88,11 +95,8 @@ class KVTransferConfig:
         if not isinstance(extra, Mapping):
             raise TypeError(f"kv_connector_extra_config must be a dict, got {type(extra).__name__}")
         known = ("num_cpu_blocks", "cpu_bytes_to_use", "eviction_policy", "store_threshold", "max_tracker_size",
-                 "block_size")
+                 "block_size", "disk_path", "num_disk_blocks", "disk_eviction_policy")
         for key in extra:
-            if key in ("disk_path", "num_disk_blocks"):
-                raise ValueError(f"kv_connector_extra_config key {key!r}: the disk tier is not built yet; "
-                                 "only the CPU tier (num_cpu_blocks) is")
             if key not in known:
                 raise ValueError(f"unknown kv_connector_extra_config key {key!r}; known: "
                                  f"{', '.join(repr(k) for k in known)}")
@@ -115,6 +119,14 @@ class KVTransferConfig:
         check_positive_int("max_tracker_size", self.max_tracker_size)
         if self.block_size is not None:
             check_positive_int("block_size", self.block_size)
+        if (self.disk_path is None) != (self.num_disk_blocks is None):
+            raise ValueError("a disk tier needs both disk_path and num_disk_blocks in kv_connector_extra_config")
+        if self.disk_path is not None:
+            if not isinstance(self.disk_path, (str, os.PathLike)):
+                raise TypeError(f"disk_path must be a directory path, got {type(self.disk_path).__name__}")
+            object.__setattr__(self, "disk_path", os.fspath(self.disk_path))
+            check_positive_int("num_disk_blocks", self.num_disk_blocks)
+        check_choice("disk_eviction_policy", self.disk_eviction_policy, tuple(EVICTION_POLICIES))
 
     def in_blocks(self, block_bytes: int) -> "KVTransferConfig":
         """This config with the tier's size in blocks of ``block_bytes`` (K and V, every layer)."""
@@ -135,13 +147,18 @@ class KVTransferConfig:
             raise ValueError("kv_transfer_config needs prefix caching: the tier stores and finds blocks by the "
                              "hash they are registered under, and enable_prefix_caching is False")
 
-    def make_manager(self) -> OffloadingManager | FilterReusedOffloadingManager:
+    def make_connector(self, block_manager: BlockManager, disk: DiskTier | None = None) -> "OffloadingConnector":
+        """The Scheduler's side of this tier over ``block_manager``; ``disk``: the directory of the
+        disk tier, when this config names one (the engine opens it: it knows the model)."""
         if self.cpu_bytes_to_use is not None:
             raise ValueError("the tier is sized in bytes (cpu_bytes_to_use): turn it into blocks first (in_blocks)")
+        if (disk is None) != (self.disk_path is None):
+            raise ValueError("kv_connector_extra_config's disk_path needs the DiskTier opened on it (and only then)")
         manager = EVICTION_POLICIES[self.eviction_policy](self.num_cpu_blocks)
         if self.store_threshold >= 2:
-            return FilterReusedOffloadingManager(manager, self.store_threshold, self.max_tracker_size)
-        return manager
+            manager = FilterReusedOffloadingManager(manager, self.store_threshold, self.max_tracker_size)
+        disk_manager = EVICTION_POLICIES[self.disk_eviction_policy](self.num_disk_blocks, "DISK") if disk else None
+        return OffloadingConnector(manager, block_manager, disk_manager, disk)
 
 
 @dataclass
@@ -149,52 +166,82 @@ class OffloadingConnector:
     """The Scheduler's side of the tier: what to load for an admitted request, what to store
     after a step, and the bookkeeping between the two (see the module docstring).
 
-    ``names`` maps each hash the tier holds to the exact name of the block stored under it --
-    ``(prefix id, parent prefix id, tokens, salt)``, read off the device block when it was
-    stored -- so that a load is confirmed exactly. ``stores`` are the copies decided at the end
-    of the last step (device block, tier slot), made at the start of the next one; ``storing``
-    and ``loading`` the hashes of the copies the open step makes. ``stats`` counts, per first
-    admission, the tokens asked for and the tokens the tier provided (vLLM's
-    ``external_prefix_cache_queries`` and ``_hits``)."""
+    ``names`` maps each hash the CPU tier holds to the *digest* of the block stored under it --
+    the SHA-256 of its whole prefix, salt and tokens (``disk.prefix_digests``) -- so that a load is
+    confirmed exactly: a hash only finds a candidate. ``stores`` are the copies decided at the end
+    of the last step (device block, tier slot), made at the start of the next one; ``storing`` and
+    ``loading`` the hashes of the copies the open step makes. With a disk tier behind the CPU tier
+    (``disk``, its own ``disk_manager`` and policy, ``disk_names``), every block stored in the CPU
+    tier is written to disk too (``writes``, made by the next step), and a request reads from disk
+    the blocks after those the CPU tier had. ``stats`` counts, per first admission, the tokens
+    asked for and the tokens the tiers provided (vLLM's ``external_prefix_cache_queries`` and
+    ``_hits``)."""
 
     manager: OffloadingManager | FilterReusedOffloadingManager
     block_manager: BlockManager
-    names: dict[int, tuple] = field(default_factory=dict)
+    disk_manager: OffloadingManager | None = None
+    disk: DiskTier | None = None
+    names: dict[int, bytes] = field(default_factory=dict)
     stores: list[tuple[int, int]] = field(default_factory=list)
     storing: dict[int, int] = field(default_factory=dict)   # tier slot -> hash, for the open step's stores
     loading: list[int] = field(default_factory=list)
+    disk_names: dict[int, bytes] = field(default_factory=dict)
+    writes: list[tuple[int, int, bytes]] = field(default_factory=list)   # (device block, hash, digest)
+    deletes: list[int] = field(default_factory=list)   # files of blocks the disk tier gave up
+    disk_loading: list[int] = field(default_factory=list)
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+
+    def __post_init__(self):
+        if self.disk is not None:   # a directory an earlier engine wrote: its blocks, oldest first
+            for block_hash, digest in self.disk.scan():
+                out = self.disk_manager.prepare_store([block_hash])
+                self._forget_on_disk(out.block_hashes_evicted)
+                self.disk_manager.complete_store([block_hash])
+                self.disk_names[block_hash] = digest
+            self.begin_step()   # (the files of the blocks that did not fit go now)
 
     # ---------------------------------------------------------------- admission: lookup and load
 
-    def load(self, seq: Sequence) -> list[tuple[int, int]]:
-        """``seq`` was just allocated with its device hits: find the blocks after them in the
-        tier, confirm them, and protect them; returns the copies to make, ``(tier slot, device
-        block)``, and counts them as computed (``seq.num_cached_tokens``)."""
-        bm = self.block_manager
-        bs = bm.block_size
+    def load(self, seq: Sequence) -> tuple[list[tuple[int, int]], list[tuple[bytes, int]]]:
+        """``seq`` was just allocated with its device hits: find the blocks after them in the CPU
+        tier, then the disk tier, confirm them, and protect them; returns the copies to make,
+        ``(tier slot, device block)`` and ``(bytes read from disk, device block)``, and counts them
+        as computed (``seq.num_cached_tokens``)."""
+        bs = self.block_manager.block_size
         first = seq.num_cached_tokens // bs            # the device pool's hits
         last = (seq.num_tokens - 1) // bs              # never the block of the prompt's last token
         hashes = self._hashes(seq, first, last)
+        digests = prefix_digests(seq.token_ids, bs, last, seq.cache_salt)[first:]
         found = self.manager.lookup(hashes)
-        parent_prefix_id = bm.blocks[seq.block_table[first - 1]].prefix_id if first else -1
-        confirmed = 0
-        for i, h in enumerate(hashes[:found]):
-            prefix_id, parent, tokens, salt = self.names[h]
-            if (tokens, parent, salt) != (tuple(seq.block(first + i)), parent_prefix_id,
-                                          seq.cache_salt if first + i == 0 else None):
-                break   # the hash names another prefix here: a collision, not a hit
-            parent_prefix_id = prefix_id
-            confirmed += 1
-        self.stats.record(seq.num_tokens, confirmed * bs, preempted=seq.num_preemptions > 0)
-        copies = []
-        if confirmed:
-            spec = self.manager.prepare_load(hashes[:confirmed])
-            self.loading += hashes[:confirmed]
-            seq.num_cached_tokens += confirmed * bs
-            copies = list(zip(spec.block_ids, seq.block_table[first:first + confirmed]))
+        cpu = 0   # (a hash found under another prefix's digest is a collision, not a hit)
+        while cpu < found and self.names[hashes[cpu]] == digests[cpu]:
+            cpu += 1
+        payloads = []
+        if self.disk is not None:
+            on_disk = self.disk_manager.lookup(hashes[cpu:])
+            for h, digest in zip(hashes[cpu:cpu + on_disk], digests[cpu:]):
+                payload = self.disk.read(h, digest) if self.disk_names[h] == digest else None
+                if payload is None:   # another prefix's (a collision), or a file missing, truncated, corrupt
+                    if self.disk_names[h] == digest and self.disk_manager.remove(h):
+                        self._forget_on_disk([h])   # a bad file: the tier forgets it (a miss, never used)
+                    break
+                payloads.append(payload)
+        hit = cpu + len(payloads)
+        self.stats.record(seq.num_tokens, hit * bs, preempted=seq.num_preemptions > 0)
+        copies, reads = [], []
+        if cpu:
+            spec = self.manager.prepare_load(hashes[:cpu])
+            self.loading += hashes[:cpu]
+            copies = list(zip(spec.block_ids, seq.block_table[first:first + cpu]))
+        if payloads:
+            self.disk_manager.prepare_load(hashes[cpu:hit])
+            self.disk_loading += hashes[cpu:hit]
+            reads = list(zip(payloads, seq.block_table[first + cpu:first + hit]))
+        seq.num_cached_tokens += hit * bs
         self.manager.touch(seq.block_hashes[:first] + hashes)   # the request used all its full blocks
-        return copies
+        if self.disk is not None:
+            self.disk_manager.touch(seq.block_hashes[:first] + hashes)
+        return copies, reads
 
     def _hashes(self, seq: Sequence, first: int, last: int) -> list[int]:
         """The chained hashes of ``seq``'s blocks ``first .. last - 1`` (the device pool's own)."""
@@ -208,42 +255,72 @@ class OffloadingConnector:
 
     # ---------------------------------------------------------------- the step
 
-    def begin_step(self) -> list[tuple[int, int]]:
-        """The copies into the tier that this step makes first, ``(device block, tier slot)``."""
+    def begin_step(self) -> tuple[list[tuple[int, int]], list[tuple[int, int, bytes]]]:
+        """The copies this step makes first: into the CPU tier ``(device block, tier slot)``, and
+        onto disk ``(device block, hash, digest)``. The files of the blocks the disk tier gave up
+        in the last step go now, once that step stands: a step undone gives a block back to the
+        tier's lists, and its file must still be there. (Deleting twice is harmless.)"""
+        for h in self.deletes:
+            self.disk.delete(h)
+        self.deletes.clear()
         stores, self.stores = self.stores, []
-        return stores
+        writes, self.writes = self.writes, []
+        return stores, writes
 
-    def end_step(self, stored: list[tuple[int, int]], registered: list[int]) -> None:
-        """The step ran: its loads and its stores (``stored``, the step's ``blocks_to_store``)
-        are done; then room is made for the blocks it registered (``registered``, device block
-        ids), whose copies the next step makes."""
+    def end_step(self, out) -> None:
+        """The step ``out`` (its ``SchedulerOutput``) ran: its loads and its stores are done; then
+        room is made for the blocks it registered -- each sequence's blocks from its computed
+        tokens when scheduled to those registered now -- whose copies the next step makes. (Called
+        before the step's finished sequences release their blocks.)"""
         self.manager.complete_load(self.loading)
         self.loading.clear()
-        self.manager.complete_store([self.storing.pop(slot) for _, slot in stored])
-        bm = self.block_manager
-        blocks = {}
-        for block_id in registered:
-            block = bm.blocks[block_id]
-            blocks.setdefault(block.hash, block)   # (a block shared with a fork is registered once)
-        out = self.manager.prepare_store(list(blocks))
-        if out is None:   # every block the tier could give up is being loaded or stored: skip these
-            return
-        for h in out.block_hashes_evicted:
-            del self.names[h]
-        for h, slot in zip(out.block_hashes_to_store, out.store_spec.block_ids):
-            block = blocks[h]
-            self.names[h] = (block.prefix_id, block.parent_prefix_id, tuple(block.token_ids), block.cache_salt)
-            self.stores.append((block.block_id, slot))
-            self.storing[slot] = h
+        self.manager.complete_store([self.storing.pop(slot) for _, slot in out.blocks_to_store])
+        if self.disk is not None:
+            self.disk_manager.complete_load(self.disk_loading)
+            self.disk_loading.clear()
+            self.disk_manager.complete_store([h for _, h, _ in out.blocks_to_store_on_disk])
+        bs = self.block_manager.block_size
+        blocks: dict[int, tuple[int, bytes]] = {}   # hash -> (device block, digest), each once
+        for seq, computed, scheduled in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
+            new = range(computed // bs, min((computed + scheduled) // bs, len(seq.block_hashes)))
+            if new:
+                digests = prefix_digests(seq.token_ids, bs, new.stop, seq.cache_salt)
+                for i in new:
+                    blocks.setdefault(seq.block_hashes[i], (seq.block_table[i], digests[i]))
+        stored = self.manager.prepare_store(list(blocks))
+        if stored is not None:   # (None: every block the tier could give up is being loaded or stored)
+            for h in stored.block_hashes_evicted:
+                del self.names[h]
+            for h, slot in zip(stored.block_hashes_to_store, stored.store_spec.block_ids):
+                self.names[h] = blocks[h][1]
+                self.stores.append((blocks[h][0], slot))
+                self.storing[slot] = h
+        if self.disk is not None:
+            written = self.disk_manager.prepare_store(list(blocks))
+            if written is not None:
+                self._forget_on_disk(written.block_hashes_evicted)
+                for h in written.block_hashes_to_store:
+                    self.disk_names[h] = blocks[h][1]
+                    self.writes.append((blocks[h][0], h, blocks[h][1]))
+
+    def _forget_on_disk(self, block_hashes) -> None:
+        for h in block_hashes:
+            del self.disk_names[h]
+            self.deletes.append(h)
 
     def forget_overwritten(self, written: dict[int, int]) -> None:
         """A failed step overwrote device blocks (``{block id: first offset}``): a store decided
         from one of them would copy what is no longer its block's K/V, so it fails instead."""
         failed = [(block_id, slot) for block_id, slot in self.stores if block_id in written]
-        if not failed:
-            return
-        hashes = [self.storing.pop(slot) for _, slot in failed]
-        self.manager.complete_store(hashes, success=False)
-        for h in hashes:
-            del self.names[h]
-        self.stores = [pair for pair in self.stores if pair[0] not in written]
+        if failed:
+            hashes = [self.storing.pop(slot) for _, slot in failed]
+            self.manager.complete_store(hashes, success=False)
+            for h in hashes:
+                del self.names[h]
+            self.stores = [pair for pair in self.stores if pair[0] not in written]
+        lost = [h for block_id, h, _ in self.writes if block_id in written]
+        if lost:
+            self.disk_manager.complete_store(lost, success=False)
+            for h in lost:
+                del self.disk_names[h]
+            self.writes = [w for w in self.writes if w[0] not in written]

@@ -145,6 +145,16 @@ class OffloadingManager:
             slots.append(block.block_id)
         return PrepareStoreOutput(to_store, LoadStoreSpec(self.medium, tuple(slots)), victims)
 
+    def remove(self, block_hash: int) -> bool:
+        """Forget a ready block that no load holds -- its copy was found bad (the disk tier's
+        checksum) -- without a ghost: it was lost, not evicted. Returns whether it was removed."""
+        block = self._find(block_hash)
+        if block is None or block.ref_cnt != 0:
+            return False
+        self._drop(block_hash, evicted=False)
+        self.free_block_ids.append(block.block_id)
+        return True
+
     def complete_store(self, block_hashes: Iterable[int], success: bool = True) -> None:
         """The copies into the tier are done: the blocks become loadable; if they failed
         (``success=False``), the blocks still being stored are dropped and their slots freed."""
