@@ -58,6 +58,12 @@ PRIVATE_MEMBERS: dict[tuple[str, str], str] = {
     ("course_pkg.kernels.triton_kernels", "_block_and_offset"): "solution of paged_attention",
     ("course_pkg.kernels.triton_kernels", "_online_softmax_step"): "solution of paged_attention",
     ("course_pkg.kernels.triton_kernels", "_paged_attention_kernel"): "solution of paged_attention",
+    ("course_pkg.offload.manager:ARCOffloadingManager", "_eviction_order"):
+        "stubs.StudentARCOffloadingManager; mutants.EvictsLoadingARC; solution of arc_tier",
+    ("course_pkg.offload.manager:ARCOffloadingManager", "_find"):
+        "stubs.StudentARCOffloadingManager (docstring); mutants.LookupPastMissARC",
+    ("course_pkg.offload.manager:ARCOffloadingManager", "_add"): "stubs.StudentARCOffloadingManager (docstring)",
+    ("course_pkg.offload.manager:ARCOffloadingManager", "_drop"): "stubs.StudentARCOffloadingManager (docstring)",
 }
 
 

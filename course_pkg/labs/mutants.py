@@ -17,6 +17,7 @@ from collections import deque
 from course_pkg.block import Block
 from course_pkg.block_manager import BlockManager, NoFreeBlocksError, PrefixCacheStats
 from course_pkg.free_block_queue import FreeBlockQueue
+from course_pkg.offload.manager import ARCOffloadingManager
 from course_pkg.policies import AdmissionPolicy
 from course_pkg.radix_tree import RadixCache, RadixNode
 from course_pkg.scheduler import Scheduler
@@ -781,3 +782,49 @@ class TailReleaseRollbackBlockManager(BlockManager):
 
     def _release_to_head(self, block: Block) -> None:
         self._deallocate_block(block)   # (the tail, as a finished request's blocks go)
+
+
+# ---------------------------------------------------------------- chapter 15: the tier's ARC
+
+class NoGhostsARC(ARCOffloadingManager):
+    """A touch ignores the ghost lists: ``p`` never moves, ARC never learns (an LRU split in two)."""
+
+    def touch(self, block_hashes) -> None:
+        for h in reversed(list(block_hashes)):
+            if h in self.t1:
+                if self.t1[h].is_ready:
+                    self.t2[h] = self.t1.pop(h)
+                else:
+                    self.t1.move_to_end(h)
+            elif h in self.t2:
+                self.t2.move_to_end(h)
+
+
+class EvictsLoadingARC(ARCOffloadingManager):
+    """Gives up any block of a list, one being loaded or stored included."""
+
+    def _eviction_order(self, n, incoming):
+        if n <= 0:
+            return []
+        victims = []
+        t1, t2 = list(self.t1), list(self.t2)
+        size_t1 = len(t1)
+        while len(victims) < n and (t1 or t2):
+            if t1 and (size_t1 > self.p or not t2):
+                victims.append(t1.pop(0))
+                size_t1 -= 1
+            else:
+                victims.append(t2.pop(0))
+        return victims if len(victims) == n else None
+
+
+class LookupPastMissARC(ARCOffloadingManager):
+    """``lookup`` counts every ready block asked about, not the leading run: a hole in the middle
+    of a prefix is loaded over."""
+
+    def lookup(self, block_hashes) -> int:
+        block_hashes = list(block_hashes)
+        hits = sum(1 for h in block_hashes if self._find(h) is not None and self._find(h).is_ready)
+        self.stats.queried += len(block_hashes)
+        self.stats.hits += hits
+        return hits

@@ -238,6 +238,18 @@ _LABS = [
          "gives blocks back to the tail": f"{_M}:TailReleaseRollbackBlockManager"},
         ("course_pkg.block_manager:BlockManager.free_lookahead_slots",),
         task="`BlockManager.free_lookahead_slots`, the rollback after verification"),
+    Lab("arc_tier", "The tier's lookup and ARC: what a use teaches it, what it gives up", 15,
+        "lookup's leading run and its counters; touch (T1 to T2, last to first; a ghost moving p within "
+        "[0, c]); the eviction order (T1 while above p, never a block being loaded or stored, None when too "
+        "few may go) by hand; 800 random calls in lockstep with the package's ARC, the whole state compared "
+        "after each; 600 Mooncake requests through a pool and your tier, the hits request by request",
+        "course_pkg.offload.manager:ARCOffloadingManager", f"{_S}:StudentARCOffloadingManager",
+        f"{_G}.tier:grade_arc_tier",
+        {"no ghost lists": f"{_M}:NoGhostsARC", "evicts a block being loaded": f"{_M}:EvictsLoadingARC",
+         "lookup past the first miss": f"{_M}:LookupPastMissARC"},
+        ("course_pkg.offload.manager:OffloadingManager.lookup", "course_pkg.offload.manager:ARCOffloadingManager.touch",
+         "course_pkg.offload.manager:ARCOffloadingManager._eviction_order"),
+        task="`lookup` (the tier's, for any policy), `ARCOffloadingManager.touch` and `_eviction_order`"),
     Lab("kv_block_bytes", "Bytes of one KV block", 7,
         "hand-computed sizes (Qwen3-0.6B, Llama-3-8B, odd shapes) and the bytes a ModelRunner allocates per block",
         "course_pkg.labs.arithmetic:kv_block_bytes", f"{_S}:student_kv_block_bytes",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from course_pkg.block import Block
 from course_pkg.block_manager import BlockManager
+from course_pkg.offload.manager import ARCOffloadingManager
 from course_pkg.radix_tree import RadixCache, RadixNode
 from course_pkg.scheduler import Scheduler, StepPlan
 from course_pkg.sequence import Sequence
@@ -339,4 +340,45 @@ class StudentRollbackBlockManager(BlockManager):
         Register nothing. (Plain changes are enough: the step's journal records them by
         itself, chapter 06.)
         """
+        ...
+
+
+# ---------------------------------------------------------------- chapter 15
+
+class StudentARCOffloadingManager(ARCOffloadingManager):
+    """Lab ``arc_tier``: the tier's lookup and ARC's two decisions -- what a use teaches it, what
+    it gives up.
+
+    Kept from the package: the four lists ``t1``, ``t2`` (hash -> ``TierBlock``, least recently
+    used first) and the ghosts ``b1``, ``b2`` (hash -> None), the target size ``p`` of ``t1``,
+    ``num_blocks`` (ARC's ``c``), ``_find(h)`` (the ``TierBlock`` of a hash in ``t1`` or ``t2``, or
+    None), ``_add`` / ``_drop`` (a block stored enters ``t1`` -- or ``t2`` if its ghost was
+    touched -- and an evicted one leaves its hash in ``b1`` or ``b2``; the ghosts are trimmed to
+    ARC's bounds there), ``prepare_store`` (which calls your ``_eviction_order``) and the other
+    calls. A ``TierBlock`` has ``block_id`` (its slot), ``ref_cnt`` (loads in flight; -1 while
+    being stored) and ``is_ready`` (``ref_cnt >= 0``). The lists are ``LinkedDict``s:
+    ``OrderedDict``'s calls (``move_to_end``, ``pop``, ``d[h] = v`` adds at the end, iteration
+    oldest first).
+    """
+
+    def lookup(self, block_hashes) -> int:
+        """How many *leading* blocks of ``block_hashes`` the tier holds ready to load (stop at the
+        first that is missing or still being stored). Count every hash asked about in
+        ``self.stats.queried`` and the leading run in ``self.stats.hits``."""
+        ...
+
+    def touch(self, block_hashes) -> None:
+        """A request used these blocks; visit them last to first (so the first ends most recent).
+        A ready block in ``t1`` was asked for again: it moves to the end of ``t2`` (one still being
+        stored only moves to the end of ``t1``); one in ``t2`` moves to its end. A hash in ``b1``
+        (a block evicted from ``t1`` too soon) raises ``p`` by ``max(1, len(b2) // len(b1))``, at
+        most to ``num_blocks``; one in ``b2`` lowers it by ``max(1, len(b1) // len(b2))``, at least to
+        0; either ghost moves to the end of its list."""
+        ...
+
+    def _eviction_order(self, n: int, incoming) -> list[int] | None:
+        """The ``n`` hashes to evict (``[]`` if ``n <= 0``), changing nothing; None if fewer than
+        ``n`` may go. Only a ready block that no load holds (``ref_cnt == 0``) may go, least
+        recently used first within each list; take from ``t1`` while the ``t1`` that is left is
+        larger than ``p`` (or when ``t2`` has no block left that may go), else from ``t2``."""
         ...
