@@ -38,6 +38,7 @@ class TierSnapshot:
     lists: tuple[tuple[str, tuple[str, ...]], ...]   # the tier's order, oldest first: LRU, or T1 T2 B1 B2
     stored: tuple[str, ...]               # blocks copied into the tier in this step
     loaded: tuple[str, ...]               # blocks copied from the tier into the device in this step
+    free_queue: tuple[int, ...] = ()      # the device's free queue, head (handed out next) first
 
 
 def take_tier_snapshot(llm, labels: Mapping[int, str], label: str = "") -> TierSnapshot:
@@ -63,12 +64,13 @@ def take_tier_snapshot(llm, labels: Mapping[int, str], label: str = "") -> TierS
     step = llm.last_step
     stored = tuple(tier[slot][0] for _, slot in step.store) if step else ()
     loaded = tuple(device[dst][0] for _, dst in step.load) if step else ()
-    return TierSnapshot(label, tuple(device), tuple(tier), lists, stored, loaded)
+    return TierSnapshot(label, tuple(device), tuple(tier), lists, stored, loaded, tuple(bm.free_block_ids))
 
 
 def render_tier(snap: TierSnapshot) -> str:
     """Deterministic text: the two pools as strips (``.`` free, ``~`` a cached block still in the
-    device's index, ``+`` a tier block still being stored), the tier's lists, the step's copies."""
+    device's index, ``+`` a tier block still being stored), the device's free queue (block id, and
+    what a cached one holds), the tier's lists, the step's copies."""
     width = max([2] + [len(w) + 1 for w, _ in snap.device + snap.tier])
 
     def cell(what, state):
@@ -78,6 +80,8 @@ def render_tier(snap: TierSnapshot) -> str:
     lines = [f"== {snap.label}"] if snap.label else []
     lines.append("device |" + "|".join(cell(*c) for c in snap.device) + "|")
     lines.append("tier   |" + "|".join(cell(*c) for c in snap.tier) + "|")
+    lines.append("free queue (head first): " + " ".join(
+        f"{b}:{snap.device[b][0]}" if snap.device[b][0] else str(b) for b in snap.free_queue))
     lines.append("  ".join(f"{n}: {' '.join(items) or '-'}" for n, items in snap.lists))
     if snap.stored or snap.loaded:
         lines.append(f"this step: stored {' '.join(snap.stored) or '-'}; loaded {' '.join(snap.loaded) or '-'}")
