@@ -1,12 +1,13 @@
 """A tier behind the device pool (chapter 15): hit ratios on the traces, and the engine with and without it.
 
     .venv/bin/python benchmarks/offload.py                        # both parts, about a minute here
-    .venv/bin/python benchmarks/offload.py --part replay --requests 2000 --pool 2000 --tiers 2000 8000 30000
+    .venv/bin/python benchmarks/offload.py --part replay --requests 2000 --pools 1000 2000 --tiers 2000 8000 30000
     .venv/bin/python benchmarks/offload.py --part engine --engine-requests 600 --rounds 3
 
 **Replay** (``workloads.tier_replay``, block by block, chapter 11's model): the first
 ``--requests`` requests of Mooncake's conversation trace and of its synthetic trace, a device pool
-of ``--pool`` blocks (vLLM's BlockManager) with a tier of each ``--tiers`` size behind it, stored on
+of each ``--pools`` size (vLLM's BlockManager) with a tier of each ``--tiers`` size behind it -- the
+grid of device blocks by tier blocks -- stored on
 compute, for LRU, ARC and the reuse gate (LRU storing only blocks asked for twice); each hit ratio
 (device and tier hits over full blocks) and its share of the infinite bound, all from one run.
 
@@ -44,16 +45,17 @@ def replay_part(args) -> None:
     for name, path in (("conversation", MOONCAKE_CONVERSATION_TRACE), ("synthetic", MOONCAKE_TRACE)):
         trace = load_trace(path, limit=args.requests)
         bound = replay(trace, "infinite", 10**9).hit_ratio
-        device = replay(trace, "vllm", args.pool).hit_ratio
-        print(f"\n{name} trace, first {len(trace):,} requests: infinite bound {bound:.2%}, "
-              f"device pool of {args.pool:,} blocks alone {device:.2%}")
-        print(f"{'tier blocks':>12} " + " ".join(f"{p:>18}" for p in TIERS))
-        for size in args.tiers:
-            cells = []
-            for make in TIERS.values():
-                r = replay_with_tier(trace, "vllm", args.pool, make(size))
-                cells.append(f"{r.hit_ratio:6.2%} ({r.hit_ratio / bound:5.1%})")
-            print(f"{size:>12,} " + " ".join(f"{c:>18}" for c in cells))
+        print(f"\n{name} trace, first {len(trace):,} requests: infinite bound {bound:.2%}")
+        for pool in args.pools:
+            device = replay(trace, "vllm", pool).hit_ratio
+            print(f"device pool of {pool:,} blocks alone {device:.2%}; with a tier:")
+            print(f"{'tier blocks':>12} " + " ".join(f"{p:>18}" for p in TIERS))
+            for size in args.tiers:
+                cells = []
+                for make in TIERS.values():
+                    r = replay_with_tier(trace, "vllm", pool, make(size))
+                    cells.append(f"{r.hit_ratio:6.2%} ({r.hit_ratio / bound:5.1%})")
+                print(f"{size:>12,} " + " ".join(f"{c:>18}" for c in cells))
         print("(hit ratio, and in brackets its share of the infinite bound)")
 
 
@@ -94,7 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("replay", "engine", "both"), default="both")
     parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--pool", type=int, default=2000)
+    parser.add_argument("--pools", type=int, nargs="+", default=[1000, 2000])
     parser.add_argument("--tiers", type=int, nargs="+", default=[2000, 8000, 30000])
     parser.add_argument("--engine-requests", type=int, default=600)
     parser.add_argument("--engine-pool", type=int, default=400)
