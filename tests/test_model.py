@@ -453,7 +453,7 @@ def test_random_checkpoint_is_seeded_and_its_greedy_output_varied(tmp_path, hf_l
 @pytest.mark.parametrize("change,message", [
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                           "original_max_position_embeddings": 64}}, "rope_type 'yarn'"),
-    ({"use_sliding_window": True, "sliding_window": 16}, "sliding-window"),
+    ({"use_sliding_window": True, "sliding_window": 0, "max_window_layers": 0, "layer_types": None}, "sliding_window=0"),
 ])
 def test_unsupported_config_features_are_refused_by_name(tmp_path, change, message):
     from course_pkg.models import load_model

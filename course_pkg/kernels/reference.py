@@ -40,8 +40,9 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor,
-                        cu_seqlens_q: torch.Tensor, scale: float) -> torch.Tensor:
+                        cu_seqlens_q: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of ``q`` (``[total_q, num_heads, head_dim]``) over the paged cache.
+    With ``sliding_window = w``, a query at position ``i`` sees positions ``i - w + 1 .. i`` only.
 
     Computed in float32 (or the input's dtype if wider) and returned in ``q.dtype``. Query
     heads are grouped over KV heads (GQA): head ``h`` reads KV head ``h // (num_heads //
@@ -68,6 +69,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         scores = (qs @ k.transpose(1, 2)) * scale                # [heads, q_len, ctx]
         q_pos = torch.arange(context_len - q_len, context_len).unsqueeze(1)
         k_pos = torch.arange(context_len).unsqueeze(0)
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        hidden = k_pos > q_pos
+        if sliding_window is not None:
+            hidden |= k_pos <= q_pos - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[start:end] = (scores.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
     return out

@@ -176,7 +176,7 @@ def _paged_attention_kernel(
     stride_o_t, stride_o_h, stride_o_d,
     stride_kc_b, stride_kc_s, stride_kc_h, stride_kc_d,
     stride_vc_b, stride_vc_s, stride_vc_h, stride_vc_d,
-    stride_bt, block_size, head_dim, total_q, num_heads,
+    stride_bt, block_size, head_dim, total_q, num_heads, sliding_window,
     GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -186,6 +186,8 @@ def _paged_attention_kernel(
     tile, so each K/V tile is loaded once for all of them. Row ``r`` is query token
     ``r // GROUP`` of the sequence and head ``kv_head * GROUP + r % GROUP``. Decode is the
     case ``q_len == 1`` (``GROUP`` rows); prefill stacks ``q_len * GROUP`` rows.
+    ``sliding_window > 0`` (a local layer): a row at position ``i`` sees ``i - w + 1 .. i``, and the
+    keys before the tile's first row's window are never loaded -- whole blocks skipped.
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -216,8 +218,11 @@ def _paged_attention_kernel(
     # Keys this tile can see end after its last row's position; a split takes one chunk.
     last_row = tl.minimum(q_tile * BLOCK_M + BLOCK_M - 1, q_len * GROUP - 1)
     kv_end = tl.minimum(context_len, context_len - q_len + last_row // GROUP + 1)
-    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    kv_lo = split * chunk
+    kv_start = 0   # and, in a local layer, they begin at the first row's window
+    if sliding_window > 0:
+        kv_start = tl.maximum(context_len - q_len + (q_tile * BLOCK_M) // GROUP - sliding_window + 1, 0)
+    chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_lo = kv_start + split * chunk
     kv_hi = tl.minimum(kv_end, kv_lo + chunk)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)   # finite: an all-masked tile stays NaN-free
@@ -241,6 +246,8 @@ def _paged_attention_kernel(
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale     # [BLOCK_M, BLOCK_N]
         visible = pos_valid[None, :] & (pos[None, :] <= q_pos[:, None])    # causal
+        if sliding_window > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v)
 
@@ -285,7 +292,8 @@ def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
                            v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float,
                            *, max_q_len: int, num_splits: int = 1, block_n: int | None = None,
-                           num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                           num_warps: int | None = None, num_stages: int | None = None,
+                           sliding_window: int | None = None) -> torch.Tensor:
     """Launch the attention kernel into ``out`` (``[total_q, num_heads, head_dim]``, any strides).
 
     The caller promises ``max_q_len`` (the longest ``q_len``), so this function never reads a
@@ -335,7 +343,7 @@ def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
         part_out, part_ml,
         scale * math.log2(math.e),
         *q.stride(), *target.stride(), *k_cache.stride(), *v_cache.stride(),
-        block_tables.stride(0), k_cache.shape[1], head_dim, total_q, num_heads,
+        block_tables.stride(0), k_cache.shape[1], head_dim, total_q, num_heads, sliding_window or 0,
         GROUP=group, NUM_SPLITS=num_splits, UPCAST=INTERPRET,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, **launch,
     )
@@ -360,10 +368,10 @@ def default_block_n(dtype: torch.dtype) -> int:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
-                    cu_seqlens_q: torch.Tensor, scale: float) -> torch.Tensor:
+                    cu_seqlens_q: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of ``q`` (``[total_q, num_heads, head_dim]``) over the paged cache.
 
-    Same contract as ``paged_attention_ref``: decode (``q_len == 1``) and prefill over a cached
+    Same contract as ``paged_attention_ref`` (``sliding_window`` included): decode (``q_len == 1``) and prefill over a cached
     prefix (``q_len`` new tokens, causal among themselves, after ``context_len - q_len`` cached
     ones) in one kernel; GQA; fp32/fp16/bf16; any block size; ``q`` may be strided. Softmax
     runs online in float32. Returns a new contiguous tensor in ``q.dtype``.
@@ -385,12 +393,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if -(-ctx // block_size) > block_tables.shape[1]:
             raise ValueError(f"sequence {i}: context_len={ctx} needs {-(-ctx // block_size)} blocks "
                              f"but block_tables has {block_tables.shape[1]} columns")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be an int >= 1 or None, got {sliding_window!r}")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     max_q_len = max(q_lens, default=0)
     return launch_paged_attention(out, q, k_cache, v_cache, block_tables, context_lens,
                                   cu_seqlens_q, scale, max_q_len=max_q_len,
                                   num_splits=choose_num_splits(q, k_cache, len(lens), max_q_len,
-                                                                 max(lens, default=0)))
+                                                                 max(lens, default=0)),
+                                  sliding_window=sliding_window)
 
 
 def choose_num_splits(q, k_cache, num_seqs, max_q_len, max_context_len) -> int:

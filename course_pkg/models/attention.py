@@ -123,9 +123,11 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor
     return rows.view(-1, *cache.shape[2:])
 
 
-def _attend_one(q, k, v, scale: float) -> torch.Tensor:
+def _attend_one(q, k, v, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of one sequence: ``q`` ``[q_len, heads, dim]`` over its last ``q_len``
-    positions of ``k``/``v`` ``[context_len, kv_heads, dim]``.
+    positions of ``k``/``v`` ``[context_len, kv_heads, dim]``. With ``sliding_window = w`` a query
+    at position ``i`` sees positions ``i - w + 1 .. i`` only (a local layer, chapter 16: Hugging
+    Face's ``sliding_attention``, the same bound).
 
     A single query (decode) is a few small matmuls: the query heads that share a KV head
     form the rows of one product, so GQA costs no copy of K/V. Several queries go through
@@ -135,17 +137,22 @@ def _attend_one(q, k, v, scale: float) -> torch.Tensor:
     q_len, num_heads, dim = q.shape
     context_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
+    if q_len == 1 and sliding_window is not None:   # a decode sees its last w positions
+        k, v = k[-sliding_window:], v[-sliding_window:]
     if q_len == 1:
         qg = q.reshape(num_kv_heads, group, dim).to(k.dtype)          # [kv_heads, group, dim]
         scores = torch.matmul(qg, k.permute(1, 2, 0)).mul_(scale)     # [kv_heads, group, ctx]
         probs = scores.float().softmax(-1).to(v.dtype)                # softmax in float32
         out = torch.matmul(probs, v.transpose(0, 1))                  # [kv_heads, group, dim]
         return out.reshape(1, num_heads, dim)
-    if q_len == context_len:
+    if q_len == context_len and sliding_window is None:
         mask, causal = None, True
     else:   # the queries are the last q_len positions: shift the causal diagonal
         q_pos = torch.arange(context_len - q_len, context_len, device=q.device).unsqueeze(1)
-        mask, causal = torch.arange(context_len, device=q.device).unsqueeze(0) <= q_pos, False
+        k_pos = torch.arange(context_len, device=q.device).unsqueeze(0)
+        mask, causal = k_pos <= q_pos, False
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
     out = F.scaled_dot_product_attention(
         q.to(k.dtype).transpose(0, 1).contiguous().unsqueeze(0),
         k.transpose(0, 1).contiguous().unsqueeze(0), v.transpose(0, 1).contiguous().unsqueeze(0),
@@ -154,7 +161,7 @@ def _attend_one(q, k, v, scale: float) -> torch.Tensor:
 
 
 def paged_attention_torch(q, k_cache, v_cache, attn: AttentionMetadata, scale: float,
-                          key=None, value=None) -> torch.Tensor:
+                          key=None, value=None, sliding_window: int | None = None) -> torch.Tensor:
     """Same result as :func:`paged_attention_ref`, shaped for a CPU.
 
     * decode sequences (``q_len == 1``): the blocks of all their contexts gathered with one
@@ -172,7 +179,8 @@ def paged_attention_torch(q, k_cache, v_cache, attn: AttentionMetadata, scale: f
         k_all, v_all = _gather_blocks(k_cache, block_ids), _gather_blocks(v_cache, block_ids)
         for j, i in enumerate(plan["decode"]):
             lo, hi = starts[j], starts[j] + ctx[i]
-            out[cu[i]:cu[i] + 1] = _attend_one(q[cu[i]:cu[i] + 1], k_all[lo:hi], v_all[lo:hi], scale)
+            out[cu[i]:cu[i] + 1] = _attend_one(q[cu[i]:cu[i] + 1], k_all[lo:hi], v_all[lo:hi], scale,
+                                               sliding_window)
     fresh_ok = key is not None and key.dtype == k_cache.dtype
     for i in plan["prefill"]:
         start, end, context_len = cu[i], cu[i + 1], ctx[i]
@@ -181,7 +189,7 @@ def paged_attention_torch(q, k_cache, v_cache, attn: AttentionMetadata, scale: f
         else:
             k = gather_kv(k_cache, attn.block_tables[i], context_len)
             v = gather_kv(v_cache, attn.block_tables[i], context_len)
-        out[start:end] = _attend_one(q[start:end], k, v, scale)
+        out[start:end] = _attend_one(q[start:end], k, v, scale, sliding_window)
     return out
 
 
@@ -192,8 +200,10 @@ def _triton_ops():
     return triton_kernels
 
 
-def attend(q, key, value, kv_cache, attn: AttentionMetadata, scale: float) -> torch.Tensor:
+def attend(q, key, value, kv_cache, attn: AttentionMetadata, scale: float,
+           sliding_window: int | None = None) -> torch.Tensor:
     """Store ``key``/``value`` in the cache, then attend with ``q``: ``[N, heads, dim]``.
+    ``sliding_window``: the layer is local and a query sees its last ``w`` positions only.
 
     ``kv_cache`` is this layer's ``(k_cache, v_cache)``, or ``None`` to run without a cache
     (every sequence must then be a whole prompt: ``q_len == context_len``; used for warmup).
@@ -208,16 +218,16 @@ def attend(q, key, value, kv_cache, attn: AttentionMetadata, scale: float) -> to
         for i in range(len(plan["ctx"])):
             if cu[i + 1] > cu[i]:
                 s, e = cu[i], cu[i + 1]
-                out[s:e] = _attend_one(q[s:e], key[s:e], value[s:e], scale)
+                out[s:e] = _attend_one(q[s:e], key[s:e], value[s:e], scale, sliding_window)
         return out
     k_cache, v_cache = kv_cache
     if attn.backend == "torch":
         store_kvcache_torch(key, value, k_cache, v_cache, attn.slot_mapping)
-        return paged_attention_torch(q, k_cache, v_cache, attn, scale, key, value)
+        return paged_attention_torch(q, k_cache, v_cache, attn, scale, key, value, sliding_window)
     if attn.backend == "reference":
         store_kvcache_ref(key, value, k_cache, v_cache, attn.slot_mapping)
         return paged_attention_ref(q, k_cache, v_cache, attn.block_tables, attn.context_lens,
-                                   attn.cu_seqlens_q, scale)
+                                   attn.cu_seqlens_q, scale, sliding_window)
     kernels = _triton_ops()
     kernels.store_kvcache(key, value, k_cache, v_cache, attn.slot_mapping)
     # The metadata already carries max_q_len / max_context_len, so the launch reads nothing
@@ -226,4 +236,5 @@ def attend(q, key, value, kv_cache, attn: AttentionMetadata, scale: float) -> to
                                            attn.max_context_len)
     return kernels.launch_paged_attention(
         torch.empty_like(q), q, k_cache, v_cache, attn.block_tables, attn.context_lens,
-        attn.cu_seqlens_q, scale, max_q_len=attn.max_q_len, num_splits=num_splits)
+        attn.cu_seqlens_q, scale, max_q_len=attn.max_q_len, num_splits=num_splits,
+        sliding_window=sliding_window)

@@ -67,15 +67,37 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def sliding_window_of(config, layer_idx: int) -> int | None:
+    """Layer ``layer_idx``'s window: ``config.sliding_window`` for a ``"sliding_attention"`` layer
+    of ``config.layer_types``, None for a full one (and for a config without layer types)."""
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    kind = layer_types[layer_idx]
+    if kind not in LAYER_TYPES:
+        raise ValueError(f"layer {layer_idx} has layer type {kind!r}; this model knows {LAYER_TYPES}")
+    if kind == "full_attention":
+        return None
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"layer {layer_idx} is a sliding_attention layer but sliding_window={window!r} "
+                         "(set use_sliding_window and sliding_window in config.json)")
+    return window
+
+
 class Qwen3Attention(nn.Module):
     """Project to Q/K/V, normalise each Q and K head, rotate, store K/V, attend, project back."""
 
-    def __init__(self, config):
+    def __init__(self, config, layer_idx: int = 0):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = self.head_dim ** -0.5
+        # A local layer (chapter 16; Hugging Face's layer_types): each query sees its last
+        # sliding_window positions only. None: full attention.
+        self.sliding_window = sliding_window_of(config, layer_idx)
         bias = bool(getattr(config, "attention_bias", False))
         h = config.hidden_size
         self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
@@ -91,7 +113,7 @@ class Qwen3Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attend(q, k, v, kv_cache, attn, self.scale)
+        out = attend(q, k, v, kv_cache, attn, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
@@ -113,9 +135,9 @@ class Qwen3MLP(nn.Module):
 class Qwen3DecoderLayer(nn.Module):
     """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, config):
+    def __init__(self, config, layer_idx: int = 0):
         super().__init__()
-        self.self_attn = Qwen3Attention(config)
+        self.self_attn = Qwen3Attention(config, layer_idx)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -129,7 +151,7 @@ class Qwen3Model(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, rope_theta(config))
 
@@ -158,9 +180,6 @@ class Qwen3ForCausalLM(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("config.json enables sliding-window attention (use_sliding_window); "
-                             "this model implements full attention only")
         self.config = config
         self.model = Qwen3Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

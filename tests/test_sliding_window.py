@@ -1,0 +1,151 @@
+"""Local (sliding-window) attention layers (chapter 16, first part): the model and the kernels.
+
+A query at position ``i`` of a ``sliding_attention`` layer sees positions ``i - w + 1 .. i`` --
+Hugging Face's bound (``kv_idx > q_idx - sliding_window``). Checked three ways: the float64
+reference against dense attention written out here; the torch path and the Triton kernel (under
+the interpreter: it skips the blocks before a tile's window) against the reference, for decode,
+whole prompts and chunks over a cached prefix; and the engine's greedy tokens on an unseen random
+*hybrid* Qwen3 (local and global layers interleaved, a window shorter than the prompts and decodes
+that cross it) against Hugging Face's, with prefix caching, chunked prefill and preemption. The
+blocks outside a window are still held (the hybrid block manager is not built yet): this is the
+engine vLLM runs when its hybrid manager is disabled.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from course_pkg import LLM, SamplingParams
+from course_pkg.kernels.reference import gather_kv, paged_attention_ref
+from course_pkg.models.attention import AttentionMetadata, paged_attention_torch
+from course_pkg.models.checkpoint import build_random_checkpoint
+from tests.test_kernels import make_case
+
+WINDOWS = [1, 3, 4, 7, 40]
+
+
+def dense(args, window):
+    """Attention written out position by position: every (query, key) pair the window allows."""
+    q, kc, vc, bt = args["q"].double(), args["k_cache"], args["v_cache"], args["block_tables"]
+    cu, ctxs = args["cu_seqlens_q"].tolist(), args["context_lens"].tolist()
+    group = q.shape[1] // kc.shape[2]
+    out = torch.zeros_like(q)
+    for s, ctx in enumerate(ctxs):
+        k, v = gather_kv(kc, bt[s], ctx).double(), gather_kv(vc, bt[s], ctx).double()
+        q_len = cu[s + 1] - cu[s]
+        for r in range(q_len):
+            pos = ctx - q_len + r
+            keys = [j for j in range(ctx) if j <= pos and (window is None or j > pos - window)]
+            for h in range(q.shape[1]):
+                kh, vh = k[keys, h // group], v[keys, h // group]
+                w = torch.softmax(kh @ q[cu[s] + r, h] * args["scale"], dim=0)
+                out[cu[s] + r, h] = w @ vh
+    return out
+
+
+def case(seed=0, dtype=torch.float32):
+    # decode, a whole prompt, a chunk over a cached prefix; contexts across block boundaries
+    return make_case(seed, dtype=dtype, block_size=4, context_lens=[19, 9, 23], q_lens=[1, 9, 6])
+
+
+@pytest.mark.parametrize("window", WINDOWS + [None])
+def test_the_reference_is_dense_attention_within_the_window(window):
+    args = case()
+    got = paged_attention_ref(**args, sliding_window=window).double()
+    torch.testing.assert_close(got, dense(args, window), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_the_torch_path_equals_the_reference(window):
+    args = case(1)
+    attn = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), block_tables=args["block_tables"],
+                             context_lens=args["context_lens"], cu_seqlens_q=args["cu_seqlens_q"],
+                             max_q_len=9, max_context_len=23)
+    got = paged_attention_torch(args["q"], args["k_cache"], args["v_cache"], attn, args["scale"],
+                                sliding_window=window)
+    torch.testing.assert_close(got, paged_attention_ref(**args, sliding_window=window), rtol=1e-4, atol=1e-4)
+    if window < 19:   # the window really hides something: the full answer differs
+        assert not torch.allclose(got, paged_attention_ref(**args), atol=1e-3)
+
+
+@pytest.mark.parametrize("window, num_splits", [(3, 1), (7, 2), (1, 3)])
+def test_the_triton_kernel_equals_the_reference(window, num_splits):
+    from course_pkg.kernels.triton_kernels import launch_paged_attention
+
+    args = case(2)
+    out = torch.full_like(args["q"], float("nan"))
+    launch_paged_attention(out, args["q"], args["k_cache"], args["v_cache"], args["block_tables"],
+                           args["context_lens"], args["cu_seqlens_q"], args["scale"], max_q_len=9,
+                           num_splits=num_splits, sliding_window=window)
+    torch.testing.assert_close(out, paged_attention_ref(**args, sliding_window=window), rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- the engine against Hugging Face
+
+LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """An unseen random hybrid Qwen3: three local layers of window 8 and one global one."""
+    path = build_random_checkpoint(tmp_path_factory.mktemp("hybrid"), seed=16, copy_tokenizer=False,
+                                   vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=256, use_sliding_window=True, sliding_window=8,
+                                   max_window_layers=0, layer_types=LAYERS)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    assert model.config.layer_types == LAYERS and model.config.sliding_window == 8
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def prompts_and_expected(hybrid):
+    _, model = hybrid
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, 512, (13,), generator=gen).tolist()
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 9, 17, 30)]
+    prompts += [shared + torch.randint(3, 512, (n,), generator=gen).tolist() for n in (2, 11)]
+    expected = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=14,
+                                 pad_token_id=0)
+        expected.append(out[0, len(p):].tolist())
+    return prompts, expected
+
+
+CONFIGS = {
+    "prefix-caching": dict(block_size=4, num_kvcache_blocks=64, max_num_seqs=3),
+    "chunked-prefill": dict(block_size=4, num_kvcache_blocks=64, max_num_batched_tokens=7),
+    "preemption": dict(block_size=4, num_kvcache_blocks=14, max_num_seqs=6),
+    "block-size-1": dict(block_size=1, num_kvcache_blocks=300),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_tokens_on_a_hybrid_model_equal_huggingface(hybrid, prompts_and_expected, name):
+    path, _ = hybrid
+    prompts, expected = prompts_and_expected
+    llm = LLM(path, device="cpu", dtype=torch.float32, attention_backend="torch", **CONFIGS[name])
+    assert [layer.self_attn.sliding_window for layer in llm.model.model.layers] == [8, None, 8, 8]
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    for _ in range(2):   # the second pass hits the prefix cache
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    if name == "preemption":
+        assert llm.get_metrics().num_preemptions > 0
+
+
+def test_an_unknown_layer_type_is_refused_by_name(tmp_path):
+    import json
+
+    path = build_random_checkpoint(tmp_path / "m", seed=0, copy_tokenizer=False, vocab_size=64, hidden_size=32,
+                                   intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=16)
+    config = json.loads((path / "config.json").read_text())
+    config["layer_types"] = ["full_attention", "chunked_attention"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="chunked_attention"):
+        LLM(path, device="cpu", dtype=torch.float32, num_kvcache_blocks=8)
