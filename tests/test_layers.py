@@ -17,7 +17,7 @@ LAYERS = [
     {"validation", "sampling_params"},
     {"block", "sequence"},
     {"free_block_queue"},
-    {"block_manager"},
+    {"block_manager", "kv_cache_spec"},
     {"swap", "radix_tree", "foils", "undo", "beam_search", "offload"},
     {"policies"},
     {"scheduler"},

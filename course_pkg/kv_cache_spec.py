@@ -1,0 +1,113 @@
+"""What each layer's KV cache needs, by attention type: the specs of a hybrid model (chapter 16).
+
+vLLM v1 describes every layer's cache by a *spec* and groups the layers with equal specs into KV
+cache groups; one manager per group hands out blocks from a single shared pool. The course keeps
+vLLM's names for the two types its Qwen3 has:
+
+* ``FullAttentionSpec`` -- a layer attends to every earlier token, so a sequence holds a block for
+  every ``block_size`` tokens it has;
+* ``SlidingWindowSpec(sliding_window=w)`` -- a layer attends to the last ``w`` positions only, so a
+  sequence needs only the blocks that cover them: while it decodes, positions ``n - w + 1 .. n``
+  for its newest token ``n``, which span at most ``cdiv(w - 1, block_size) + 1`` blocks (vLLM's
+  bound); the blocks before them can be given back.
+
+A spec's ``page_size_bytes`` is one block of one layer (K and V). ``kv_cache_groups`` groups a
+model's layers by spec (from Hugging Face's ``layer_types`` and ``sliding_window``), and
+``bytes_per_request`` / ``max_num_requests`` turn a sequence length and a memory budget into what
+a hybrid model holds and how many requests fit, against the same model with every layer full --
+the figure a hybrid manager exists for. (This module computes; the per-group block managers that
+give the blocks back are not built yet.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from course_pkg.validation import check_positive_int
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    """A full-attention layer's cache: ``block_size`` tokens of K and V per block."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype_bytes: int
+
+    def __post_init__(self):
+        for name in ("block_size", "num_kv_heads", "head_size", "dtype_bytes"):
+            check_positive_int(name, getattr(self, name))
+
+    @property
+    def page_size_bytes(self) -> int:
+        """One block of one layer: K and V, ``block_size`` tokens."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
+
+    def blocks_held(self, num_tokens: int) -> int:
+        """Blocks one layer of this type needs for a sequence of ``num_tokens``, in the step that
+        computes its newest token (position ``num_tokens - 1``): every position up to it."""
+        return cdiv(num_tokens, self.block_size)
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """A local layer's cache: only the blocks covering the last ``sliding_window`` positions."""
+
+    sliding_window: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive_int("sliding_window", self.sliding_window)
+
+    def blocks_held(self, num_tokens: int) -> int:
+        """Blocks covering what the step that computes the newest token (position ``n - 1``) needs:
+        its own slot and the ``w - 1`` positions before it -- at most ``cdiv(w - 1, block_size) + 1``
+        (vLLM's bound), never more than a full layer's."""
+        if num_tokens <= 0:
+            return 0
+        first = max(0, num_tokens - self.sliding_window)
+        return (num_tokens - 1) // self.block_size - first // self.block_size + 1
+
+    @property
+    def max_blocks_held(self) -> int:
+        return cdiv(self.sliding_window - 1, self.block_size) + 1
+
+
+def kv_cache_groups(config, block_size: int, dtype_bytes: int) -> list[tuple[FullAttentionSpec, tuple[int, ...]]]:
+    """The model's layers grouped by spec, in order of first appearance: ``[(spec, layer indices)]``
+    (``config``: a Hugging Face config with ``layer_types`` and ``sliding_window``, or none: all full)."""
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    groups: dict[FullAttentionSpec, list[int]] = {}
+    for i, kind in enumerate(layer_types):
+        if kind == "full_attention":
+            spec = FullAttentionSpec(block_size, config.num_key_value_heads, head_size, dtype_bytes)
+        elif kind == "sliding_attention":
+            spec = SlidingWindowSpec(block_size, config.num_key_value_heads, head_size, dtype_bytes,
+                                     sliding_window=config.sliding_window)
+        else:
+            raise ValueError(f"layer {i} has layer type {kind!r}; known: 'full_attention', 'sliding_attention'")
+        groups.setdefault(spec, []).append(i)
+    return [(spec, tuple(layers)) for spec, layers in groups.items()]
+
+
+def bytes_per_request(groups, num_tokens: int, *, all_full: bool = False) -> int:
+    """K/V bytes one sequence holds at most while it grows to ``num_tokens``, over every layer of
+    every group (a local layer: its window's bound, ``max_blocks_held``, or fewer for a short
+    sequence); ``all_full``: as if every layer were full attention (a hybrid manager disabled)."""
+    total = 0
+    for spec, layers in groups:
+        blocks = cdiv(num_tokens, spec.block_size)
+        if isinstance(spec, SlidingWindowSpec) and not all_full:
+            blocks = min(blocks, spec.max_blocks_held)
+        total += len(layers) * blocks * spec.page_size_bytes
+    return total
+
+
+def max_num_requests(groups, num_tokens: int, memory_bytes: int, *, all_full: bool = False) -> int:
+    """Sequences of ``num_tokens`` that fit in ``memory_bytes`` of KV cache, all at once."""
+    return memory_bytes // bytes_per_request(groups, num_tokens, all_full=all_full)
