@@ -154,6 +154,9 @@ def test_prefix_digests_name_the_whole_prefix_and_the_salt():
     assert prefix_digests([99] + list(range(1, 12)), 4, 3)[2] != a[2]   # a change at position 0 reaches block 2
     assert prefix_digests(list(range(12)), 4, 3, "alice")[0] != a[0]
     assert prefix_digests(list(range(12)), 4, 3, "alice") != prefix_digests(list(range(12)), 4, 3, "bob")
+    assert prefix_digests(list(range(12)), 4, 3, start=1, previous=a[0]) == a[1:]   # going on from a block
+    with pytest.raises(ValueError, match="previous"):
+        prefix_digests(list(range(12)), 4, 3, start=1)
 
 
 def test_a_disk_block_file_round_trips_and_a_wrong_digest_reads_nothing(tmp_path):

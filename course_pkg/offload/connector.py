@@ -188,6 +188,9 @@ class OffloadingConnector:
     disk_names: dict[int, bytes] = field(default_factory=dict)
     writes: list[tuple[int, int, bytes]] = field(default_factory=list)   # (device block, hash, digest)
     deletes: list[int] = field(default_factory=list)   # files of blocks the disk tier gave up
+    # seq_id -> (blocks digested, the last one's digest): a running sequence's digests go on from
+    # there, so each block is hashed once (dropped when the sequence finishes)
+    chains: dict[int, tuple[int, bytes]] = field(default_factory=dict)
     disk_loading: list[int] = field(default_factory=list)
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
@@ -284,9 +287,11 @@ class OffloadingConnector:
         for seq, computed, scheduled in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
             new = range(computed // bs, min((computed + scheduled) // bs, len(seq.block_hashes)))
             if new:
-                digests = prefix_digests(seq.token_ids, bs, new.stop, seq.cache_salt)
-                for i in new:
-                    blocks.setdefault(seq.block_hashes[i], (seq.block_table[i], digests[i]))
+                digests = self._digests(seq, new)
+                for i, digest in zip(new, digests):
+                    blocks.setdefault(seq.block_hashes[i], (seq.block_table[i], digest))
+            if seq.is_finished:
+                self.chains.pop(seq.seq_id, None)
         stored = self.manager.prepare_store(list(blocks))
         if stored is not None:   # (None: every block the tier could give up is being loaded or stored)
             for h in stored.block_hashes_evicted:
@@ -302,6 +307,19 @@ class OffloadingConnector:
                 for h in written.block_hashes_to_store:
                     self.disk_names[h] = blocks[h][1]
                     self.writes.append((blocks[h][0], h, blocks[h][1]))
+
+    def _digests(self, seq: Sequence, blocks: range) -> list[bytes]:
+        """The prefix digests of ``seq``'s blocks ``blocks``, going on from the last block this
+        sequence had digested (its tokens only grow) or from its first block."""
+        done, last = self.chains.get(seq.seq_id, (0, None))
+        if done > blocks.start or done == 0:
+            done, last = 0, None
+        digests = prefix_digests(seq.token_ids, self.block_manager.block_size, blocks.stop, seq.cache_salt,
+                                 start=done, previous=last)
+        if len(self.chains) > 4096:   # (sequences aborted mid-run leave theirs behind: start afresh)
+            self.chains.clear()
+        self.chains[seq.seq_id] = (blocks.stop, digests[-1])
+        return digests[blocks.start - done:]
 
     def _forget_on_disk(self, block_hashes) -> None:
         for h in block_hashes:

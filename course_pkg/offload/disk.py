@@ -32,13 +32,19 @@ _HEADER = struct.Struct("<4sI32sQQ")   # magic, version, prefix digest, payload 
 VERSION = 1
 
 
-def prefix_digests(token_ids, block_size: int, num_blocks: int, cache_salt: str | None = None) -> list[bytes]:
+def prefix_digests(token_ids, block_size: int, num_blocks: int, cache_salt: str | None = None, *,
+                   start: int = 0, previous: bytes | None = None) -> list[bytes]:
     """SHA-256 of each of the first ``num_blocks`` full blocks' whole prefix, chained: the salt,
-    then each block's tokens (8 bytes each, little-endian) on the digest before it."""
-    digest = hashlib.sha256(b"salt:" + cache_salt.encode() if cache_salt is not None else b"no salt").digest()
+    then each block's tokens (8 bytes each, little-endian) on the digest before it. With ``start``
+    and ``previous`` (block ``start - 1``'s digest), only blocks ``start .. num_blocks - 1``."""
+    if previous is None:
+        if start:
+            raise ValueError("prefix_digests from a later block needs the digest before it (previous)")
+        previous = hashlib.sha256(b"salt:" + cache_salt.encode() if cache_salt is not None else b"no salt").digest()
+    digest = previous
     packer = struct.Struct(f"<{block_size}q")
     digests = []
-    for i in range(num_blocks):
+    for i in range(start, num_blocks):
         digest = hashlib.sha256(digest + packer.pack(*token_ids[i * block_size:(i + 1) * block_size])).digest()
         digests.append(digest)
     return digests
