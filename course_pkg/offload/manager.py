@@ -67,7 +67,7 @@ class OffloadStats:
     evicted: int = 0      # blocks given up to make room
 
 
-@dataclass
+@dataclass(slots=True)
 class TierBlock:
     """One block the tier holds: its slot, and the loads in flight (-1 while being stored)."""
 
