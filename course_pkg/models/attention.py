@@ -90,8 +90,10 @@ def store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping) -> None:
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
-def _context_blocks(attn: AttentionMetadata, seqs: list[int], block_size: int):
+def _context_blocks(attn: AttentionMetadata, seqs: list[int], block_size: int, sliding_window: int | None = None):
     """The blocks holding the contexts of ``seqs``, end to end, and where each context starts.
+    With ``sliding_window``, a decode's context is its last ``w`` positions only: the blocks before
+    them are not gathered at all (a local layer reads at most ``cdiv(w - 1, block_size) + 1`` blocks).
 
     One index for the whole step: each layer then gathers all the K/V it needs with a single
     ``index_select`` of whole blocks (a block is one contiguous run of memory, copied at full
@@ -99,18 +101,21 @@ def _context_blocks(attn: AttentionMetadata, seqs: list[int], block_size: int):
     ``starts[j]:starts[j] + context_len`` of the gathered tokens; the unused tail of its last
     block is never read. Computed once per step, shared by every layer.
     """
-    key = ("context_blocks", block_size, tuple(seqs))
+    key = ("context_blocks", block_size, tuple(seqs), sliding_window)
     plan = attn.plan()
     if key not in plan:
         ctx = [plan["ctx"][i] for i in seqs]
         num_blocks = [(c + block_size - 1) // block_size for c in ctx]
+        first = [max(0, c - sliding_window) // block_size if sliding_window else 0 for c in ctx]
         device = attn.block_tables.device
         tables = attn.block_tables[torch.tensor(seqs, device=device)][:, :max(num_blocks)].long()
-        used = torch.arange(tables.shape[1], device=device) < torch.tensor(num_blocks, device=device).unsqueeze(1)
-        starts = [0]
-        for n in num_blocks:
-            starts.append(starts[-1] + n * block_size)
-        plan[key] = (tables[used], starts)
+        columns = torch.arange(tables.shape[1], device=device)
+        used = (columns < torch.tensor(num_blocks, device=device).unsqueeze(1)) & \
+            (columns >= torch.tensor(first, device=device).unsqueeze(1))
+        starts = [0]   # where each sequence's gathered rows start, and the position they start at
+        for n, f in zip(num_blocks, first):
+            starts.append(starts[-1] + (n - f) * block_size)
+        plan[key] = (tables[used], starts, [f * block_size for f in first])
     return plan[key]
 
 
@@ -175,10 +180,10 @@ def paged_attention_torch(q, k_cache, v_cache, attn: AttentionMetadata, scale: f
     out = torch.empty_like(q)
     cu, ctx = plan["cu"], plan["ctx"]
     if plan["decode"]:
-        block_ids, starts = _context_blocks(attn, plan["decode"], k_cache.shape[1])
+        block_ids, starts, offsets = _context_blocks(attn, plan["decode"], k_cache.shape[1], sliding_window)
         k_all, v_all = _gather_blocks(k_cache, block_ids), _gather_blocks(v_cache, block_ids)
         for j, i in enumerate(plan["decode"]):
-            lo, hi = starts[j], starts[j] + ctx[i]
+            lo, hi = starts[j], starts[j] + ctx[i] - offsets[j]   # (rows from position offsets[j] on)
             out[cu[i]:cu[i] + 1] = _attend_one(q[cu[i]:cu[i] + 1], k_all[lo:hi], v_all[lo:hi], scale,
                                                sliding_window)
     fresh_ok = key is not None and key.dtype == k_cache.dtype
