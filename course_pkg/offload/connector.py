@@ -198,10 +198,11 @@ class OffloadingConnector:
         if self.disk is not None:   # a directory an earlier engine wrote: its blocks, oldest first
             for block_hash, digest in self.disk.scan():
                 out = self.disk_manager.prepare_store([block_hash])
-                self._forget_on_disk(out.block_hashes_evicted)
+                for h in out.block_hashes_evicted:   # more files than the tier holds: the oldest go
+                    del self.disk_names[h]
+                    self.disk.delete(h)
                 self.disk_manager.complete_store([block_hash])
                 self.disk_names[block_hash] = digest
-            self.begin_step()   # (the files of the blocks that did not fit go now)
 
     # ---------------------------------------------------------------- admission: lookup and load
 
