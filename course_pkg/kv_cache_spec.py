@@ -15,8 +15,13 @@ A spec's ``page_size_bytes`` is one block of one layer (K and V). ``kv_cache_gro
 model's layers by spec (from Hugging Face's ``layer_types`` and ``sliding_window``), and
 ``bytes_per_request`` / ``max_num_requests`` turn a sequence length and a memory budget into what
 a hybrid model holds and how many requests fit, against the same model with every layer full --
-the figure a hybrid manager exists for. (This module computes; the per-group block managers that
-give the blocks back are not built yet.)
+the figure a hybrid manager exists for.
+
+``get_kv_cache_config`` lays the cache out as vLLM's hybrid allocator does: every group has the
+same number of layers (``group_size``), so one block id is one page in each of ``group_size``
+tensors, and the j-th layer of every group shares the j-th tensor. A block id then belongs to
+one group at a time, and the pool's blocks serve all groups (``HybridBlockManager`` hands them
+out; ``ModelRunner`` builds the tensors).
 """
 from __future__ import annotations
 
@@ -111,3 +116,82 @@ def bytes_per_request(groups, num_tokens: int, *, all_full: bool = False) -> int
 def max_num_requests(groups, num_tokens: int, memory_bytes: int, *, all_full: bool = False) -> int:
     """Sequences of ``num_tokens`` that fit in ``memory_bytes`` of KV cache, all at once."""
     return memory_bytes // bytes_per_request(groups, num_tokens, all_full=all_full)
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """One KV cache group (vLLM's name): layers of one spec that share a block table."""
+
+    layer_ids: tuple[int, ...]
+    kv_cache_spec: FullAttentionSpec
+
+    @property
+    def sliding_window(self) -> int | None:
+        return getattr(self.kv_cache_spec, "sliding_window", None)
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """How the cache is laid out: the groups (the first one full attention, whose table is
+    ``Sequence.block_table``) and ``group_size``, the layers per group -- the tensors a block id
+    indexes. A group with fewer layers than ``group_size`` leaves the rest of its pages unused
+    (vLLM's padding)."""
+
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...]
+    group_size: int
+
+    @property
+    def is_hybrid(self) -> bool:
+        return len(self.kv_cache_groups) > 1
+
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...]:
+        """The window of every group after the first (None: a full-attention group)."""
+        return tuple(g.sliding_window for g in self.kv_cache_groups[1:])
+
+    def group_and_slot(self, layer: int) -> tuple[int, int]:
+        """Layer ``layer``'s group, and which of the ``group_size`` tensors holds its pages."""
+        for g, group in enumerate(self.kv_cache_groups):
+            if layer in group.layer_ids:
+                return g, group.layer_ids.index(layer)
+        raise ValueError(f"layer {layer} is in no KV cache group")
+
+    @property
+    def padding_layers(self) -> int:
+        """Pages per block id that no layer uses, summed over the groups."""
+        return sum(self.group_size - len(g.layer_ids) for g in self.kv_cache_groups)
+
+
+def get_kv_cache_config(config, block_size: int, dtype_bytes: int, *,
+                        disable_hybrid_kv_cache_manager: bool = False) -> KVCacheConfig:
+    """The groups of a model's cache and their size, by vLLM's rule.
+
+    ``group_size`` is the smallest layer count among the specs -- or the largest, when it is
+    less than 1.5 times the smallest (fewer groups for a little padding); each spec's layers are
+    dealt out, by stride, into groups of at most ``group_size``. Full attention comes first:
+    the course keeps group 0 a full-attention group (the table every chapter so far used), so a
+    model of sliding layers only is refused unless the hybrid manager is disabled.
+    ``disable_hybrid_kv_cache_manager`` (vLLM's flag): one group of every layer, each treated as
+    full attention for memory -- a sliding layer still attends to its window only.
+    """
+    by_spec = kv_cache_groups(config, block_size, dtype_bytes)
+    if disable_hybrid_kv_cache_manager or len(by_spec) == 1:
+        layers = tuple(range(config.num_hidden_layers))
+        full = by_spec[0][0]
+        full = FullAttentionSpec(full.block_size, full.num_kv_heads, full.head_size, full.dtype_bytes)
+        return KVCacheConfig((KVCacheGroupSpec(layers, full),), len(layers))
+    by_spec.sort(key=lambda group: isinstance(group[0], SlidingWindowSpec))   # full attention first
+    if isinstance(by_spec[0][0], SlidingWindowSpec):
+        raise ValueError("every layer of this model is a sliding_attention layer; the course's hybrid manager "
+                         "keeps the first KV cache group full attention -- pass "
+                         "disable_hybrid_kv_cache_manager=True to keep every layer's cache whole")
+    counts = [len(layers) for _, layers in by_spec]
+    group_size = min(counts)
+    if max(counts) < 1.5 * min(counts):
+        group_size = max(counts)
+    groups = []
+    for spec, layers in by_spec:
+        num_groups = cdiv(len(layers), group_size)
+        for j in range(num_groups):
+            groups.append(KVCacheGroupSpec(layers[j::num_groups], spec))
+    return KVCacheConfig(tuple(groups), group_size)

@@ -40,6 +40,7 @@ from course_pkg.beam_search import BeamSearch, BeamStep
 from course_pkg.block import Block
 from course_pkg.block_manager import BlockManager, PrefixCacheStats
 from course_pkg.free_block_queue import FreeBlockQueue
+from course_pkg.hybrid_block_manager import HybridBlockManager, SlidingWindowManager
 from course_pkg.offload.connector import KVTransferConfig, OffloadingConnector
 from course_pkg.offload.disk import DiskTier
 from course_pkg.offload.linked_dict import LinkedDict
@@ -249,6 +250,10 @@ class Scheduler:
         if journal_of(block_manager) is not None:
             raise ValueError("block_manager belongs to another Scheduler already; give each Scheduler its own")
         check_same_step_prefix_hits(same_step_prefix_hits, block_manager.enable_prefix_caching)
+        if isinstance(block_manager, HybridBlockManager) and (self.preemption.name == "swap" or kv_transfer_config):
+            raise ValueError("a hybrid model's KV cache groups cannot be swapped or offloaded yet (chapter 16): "
+                             "use preemption_mode='recompute' and no kv_transfer_config, or "
+                             "disable_hybrid_kv_cache_manager=True")
         self.block_manager = block_manager
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -303,7 +308,10 @@ class Scheduler:
         n = seq.sampling_params.n if n is None else n
         per_completion = (self._final_len(seq) - 1 + self.block_size - 1) // self.block_size
         shared = min(seq.num_prompt_tokens // self.block_size, per_completion)
-        return shared + n * (per_completion - shared)
+        needed = shared + n * (per_completion - shared)
+        if isinstance(self.block_manager, HybridBlockManager):   # the other KV cache groups (chapter 16)
+            needed += self.block_manager.group_blocks_needed(needed)
+        return needed
 
     def _final_len(self, seq: Sequence) -> int:
         """The most tokens ``seq`` can reach: its prompt plus ``max_tokens``, within ``max_model_len``."""
@@ -1003,7 +1011,7 @@ class Scheduler:
 #: What a step may change: the journal enrols the instances of these classes (subclasses too)
 #: that a Scheduler holds, and nothing else.
 STEP_STATE = (Scheduler, SchedulerStats, SpecDecodingStats, BlockManager, Block, FreeBlockQueue, PrefixCacheStats,
-              CpuBlockPool, Sequence, PreemptionPolicy, BeamSearch,
+              SlidingWindowManager, CpuBlockPool, Sequence, PreemptionPolicy, BeamSearch,
               OffloadingConnector, OffloadingManager, FilterReusedOffloadingManager, TierBlock, OffloadStats, LinkedDict)
 share(Sequence._ids)   # the ids of new sequences: a fork undone gives its id back
 

@@ -3,6 +3,8 @@
 The sequence splits its tokens into *logical* blocks of ``block_size`` tokens: logical
 block ``i`` holds tokens ``[i * block_size, (i + 1) * block_size)``. ``block_table[i]`` is
 the *physical* block (an index into the BlockManager's pool) that stores logical block i.
+(A hybrid model of chapter 16 has a table per KV cache group: ``block_table`` is the first
+group's, ``group_block_tables`` the others'.)
 """
 from __future__ import annotations
 
@@ -108,6 +110,9 @@ class Sequence:
         self.num_preemptions = 0
         self.submitted = False  # handed to a Scheduler: a request is submitted once
         self.block_table: list[int] = []
+        # A hybrid model's other KV cache groups (chapter 16): one table per group after the
+        # first, -1 where a block left a sliding window. Empty while the model is all full attention.
+        self.group_block_tables: list[list[int]] = []
         # Chained hashes of the leading full blocks whose K/V are computed and registered.
         self.block_hashes: list[int] = []
         # Mixed into the hash of the first block (chapter 12): only requests with the same
@@ -133,6 +138,7 @@ class Sequence:
         child.seq_id = Sequence._ids.take()
         child.token_ids = list(self.token_ids)
         child.block_table = []
+        child.group_block_tables = []
         child.block_hashes = []
         child.children = []
         child.index = index

@@ -18,7 +18,7 @@ LAYERS = [
     {"block", "sequence"},
     {"free_block_queue"},
     {"block_manager", "kv_cache_spec"},
-    {"swap", "radix_tree", "foils", "undo", "beam_search", "offload"},
+    {"swap", "radix_tree", "foils", "undo", "beam_search", "offload", "hybrid_block_manager"},
     {"policies"},
     {"scheduler"},
     {"kernels", "models", "distributed"},

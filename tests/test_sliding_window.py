@@ -6,9 +6,11 @@ reference against dense attention written out here; the torch path and the Trito
 the interpreter: it skips the blocks before a tile's window) against the reference, for decode,
 whole prompts and chunks over a cached prefix; and the engine's greedy tokens on an unseen random
 *hybrid* Qwen3 (local and global layers interleaved, a window shorter than the prompts and decodes
-that cross it) against Hugging Face's, with prefix caching, chunked prefill and preemption. The
-blocks outside a window are still held (the hybrid block manager is not built yet): this is the
-engine vLLM runs when its hybrid manager is disabled.
+that cross it) against Hugging Face's, on its KV cache groups (one full-attention group and three
+local ones that give back the blocks leaving their window; ``HybridBlockManager``), with prefix
+caching, chunked prefill, preemption, mixed steps with same-step hits, n-gram speculation, ``n = 2``
+forks, block size 1, the reference backend -- and with the hybrid manager disabled (every layer's
+cache kept whole), as vLLM runs when its hybrid manager is off.
 """
 from __future__ import annotations
 
@@ -107,6 +109,8 @@ def prompts_and_expected(hybrid):
     shared = torch.randint(3, 512, (13,), generator=gen).tolist()
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 9, 17, 30)]
     prompts += [shared + torch.randint(3, 512, (n,), generator=gen).tolist() for n in (2, 11)]
+    phrase = torch.randint(3, 512, (3,), generator=gen).tolist()
+    prompts += [phrase * 5, [7, 8] + phrase * 4]   # a repeated phrase: n-gram drafts have something to match
     expected = []
     for p in prompts:
         ids = torch.tensor([p])
@@ -117,11 +121,18 @@ def prompts_and_expected(hybrid):
     return prompts, expected
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 CONFIGS = {
     "prefix-caching": dict(block_size=4, num_kvcache_blocks=64, max_num_seqs=3),
     "chunked-prefill": dict(block_size=4, num_kvcache_blocks=64, max_num_batched_tokens=7),
-    "preemption": dict(block_size=4, num_kvcache_blocks=14, max_num_seqs=6),
-    "block-size-1": dict(block_size=1, num_kvcache_blocks=300),
+    "preemption": dict(block_size=4, num_kvcache_blocks=44, max_num_seqs=6),
+    "block-size-1": dict(block_size=1, num_kvcache_blocks=2000),
+    "mixed-same-step-hits": dict(block_size=4, num_kvcache_blocks=64, scheduling="mixed", max_num_batched_tokens=9,
+                                 same_step_prefix_hits=True),
+    "ngram-speculation": dict(block_size=4, num_kvcache_blocks=48, max_num_seqs=4, speculative_config=NGRAM),
+    "n=2-forks": dict(block_size=4, num_kvcache_blocks=64, max_num_seqs=6),
+    "reference-backend": dict(block_size=4, num_kvcache_blocks=64, max_num_seqs=3, attention_backend="reference"),
+    "hybrid-manager-disabled": dict(block_size=4, num_kvcache_blocks=64, disable_hybrid_kv_cache_manager=True),
 }
 
 
@@ -129,13 +140,44 @@ CONFIGS = {
 def test_greedy_tokens_on_a_hybrid_model_equal_huggingface(hybrid, prompts_and_expected, name):
     path, _ = hybrid
     prompts, expected = prompts_and_expected
-    llm = LLM(path, device="cpu", dtype=torch.float32, attention_backend="torch", **CONFIGS[name])
+    llm = LLM(path, device="cpu", dtype=torch.float32, **{"attention_backend": "torch", **CONFIGS[name]})
     assert [layer.self_attn.sliding_window for layer in llm.model.model.layers] == [8, None, 8, 8]
-    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    groups = llm.kv_cache_config.kv_cache_groups
+    if name == "hybrid-manager-disabled":
+        assert len(groups) == 1 and type(llm.block_manager).__name__ == "BlockManager"
+    else:   # one full-attention group and three local ones of one layer each
+        assert [g.sliding_window for g in groups] == [None, 8, 8, 8] and llm.kv_cache_config.group_size == 1
+    n = 2 if name == "n=2-forks" else 1
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, n=n)
     for _ in range(2):   # the second pass hits the prefix cache
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [[c.token_ids for c in o.outputs] for o in outputs] == [[e] * n for e in expected]
+    metrics = llm.get_metrics()
+    assert metrics.prefix_cache_hits > 0 or not llm.engine_config.enable_prefix_caching
     if name == "preemption":
-        assert llm.get_metrics().num_preemptions > 0
+        assert metrics.num_preemptions > 0
+    if name == "ngram-speculation":
+        assert metrics.spec_decode_num_draft_tokens > 0
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks   # every block given back
+
+
+def test_accepted_drafts_on_a_hybrid_model_keep_the_tokens_of_huggingface(hybrid, prompts_and_expected):
+    """Longer outputs, so that some n-gram drafts are accepted (a random model rarely repeats
+    itself in 14 tokens): the lookahead slots of every group keep the accepted drafts' K/V."""
+    path, model = hybrid
+    prompts, _ = prompts_and_expected
+    expected = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40,
+                                 pad_token_id=0)
+        expected.append(out[0, len(p):].tolist())
+    llm = LLM(path, device="cpu", dtype=torch.float32, attention_backend="torch", block_size=4,
+              num_kvcache_blocks=96, max_num_seqs=4, speculative_config=NGRAM)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.get_metrics().spec_decode_num_accepted_tokens > 0
 
 
 def test_an_unknown_layer_type_is_refused_by_name(tmp_path):

@@ -17,6 +17,12 @@ the last bits on other CPUs or versions).
 
     .venv/bin/python tools/train_tiny_model.py            # writes course_pkg/models/tiny
     .venv/bin/python tools/train_tiny_model.py --out DIR --steps 50
+    .venv/bin/python tools/train_tiny_model.py --hybrid   # writes course_pkg/models/tiny_hybrid
+
+``--hybrid`` trains the same model with local layers (chapter 16): layers 0 and 2 attend to a
+sliding window of 32 positions, layers 1 and 3 to everything -- gpt-oss's 1:1 alternation,
+Hugging Face's ``layer_types``. It is trained from scratch that way (same corpus, tokenizer,
+seed and steps), not the full model with a window imposed afterwards.
 """
 from __future__ import annotations
 
@@ -31,6 +37,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "tools" / "tiny_model_corpus.txt"
 OUT = ROOT / "course_pkg" / "models" / "tiny"
+OUT_HYBRID = ROOT / "course_pkg" / "models" / "tiny_hybrid"
+HYBRID_CONFIG = dict(use_sliding_window=True, sliding_window=32, max_window_layers=0,
+                     layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
 EOS = "<|endoftext|>"
 
 MODEL_CONFIG = dict(
@@ -64,7 +73,8 @@ def train_tokenizer(docs: list[str], vocab_size: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--hybrid", action="store_true", help="local layers 0 and 2 (window 32)")
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -72,6 +82,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.out is None:
+        args.out = OUT_HYBRID if args.hybrid else OUT
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from transformers.utils import logging as hf_logging
@@ -93,7 +105,7 @@ def main() -> None:
     print(f"corpus: {len(docs)} paragraphs, {len(stream)} tokens, vocab {len(tokenizer)}")
 
     config = Qwen3Config(vocab_size=len(tokenizer), eos_token_id=eos_id, pad_token_id=eos_id,
-                         bos_token_id=None, **MODEL_CONFIG)
+                         bos_token_id=None, **MODEL_CONFIG, **(HYBRID_CONFIG if args.hybrid else {}))
     config.dtype = torch.float32
     model = Qwen3ForCausalLM(config)
     n_params = sum(p.numel() for p in model.parameters())

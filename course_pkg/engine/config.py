@@ -41,7 +41,10 @@ class EngineConfig:
     (``spec_decode.SpeculativeConfig``: vLLM's keys for ``ngram``, the course's own for
     ``early_exit``; kept here checked, as that object). ``kv_transfer_config`` is chapter 15's
     tier behind the device pool (``offload.connector.KVTransferConfig``: vLLM's keys for its
-    ``OffloadingConnector``; kept checked, as that object).
+    ``OffloadingConnector``; kept checked, as that object). ``disable_hybrid_kv_cache_manager``
+    (vLLM's flag, chapter 16): a model with sliding-window layers keeps every layer's cache whole,
+    in one KV cache group, instead of one group per attention type that gives back the blocks
+    that left a window.
     """
 
     model: str | Path | None = None
@@ -65,6 +68,7 @@ class EngineConfig:
     same_step_prefix_hits: bool = False
     speculative_config: dict | SpeculativeConfig | None = None
     kv_transfer_config: dict | KVTransferConfig | None = None
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self):
         if self.model is not None:
@@ -102,6 +106,7 @@ class EngineConfig:
         check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         check_choice("scheduling", self.scheduling, tuple(ADMISSION_POLICIES))
         check_bool("same_step_prefix_hits", self.same_step_prefix_hits)
+        check_bool("disable_hybrid_kv_cache_manager", self.disable_hybrid_kv_cache_manager)
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         if self.kv_transfer_config is not None:

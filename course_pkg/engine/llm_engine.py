@@ -37,6 +37,8 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
+import torch
+
 from course_pkg.engine.config import EngineConfig
 from course_pkg.engine.inputs import PromptType, parse_prompt
 from course_pkg.engine.model_runner import ModelRunner, kv_block_bytes
@@ -44,6 +46,8 @@ from course_pkg.engine.outputs import (CompletionOutput, EngineCoreOutput, Engin
                                        RequestMetrics, RequestOutput, StepInfo)
 from course_pkg.beam_search import BeamSearch
 from course_pkg.block_manager import BlockManager
+from course_pkg.hybrid_block_manager import HybridBlockManager
+from course_pkg.kv_cache_spec import KVCacheConfig, get_kv_cache_config
 from course_pkg.sampling_params import BeamSearchParams, SamplingParams
 from course_pkg.scheduler import Scheduler, SchedulerOutput
 from course_pkg.sequence import Sequence
@@ -88,6 +92,12 @@ class LLMEngine:
                 disk_tier = open_disk_tier(kv_transfer.disk_path, model, self.config, cfg.block_size, dtype)
         self.speculative_config = spec
         proposer = make_proposer(spec) if spec is not None else None
+        # The KV cache groups (chapter 16): one, unless the model has sliding-window layers.
+        self.kv_cache_config = get_kv_cache_config(
+            self.config, cfg.block_size, torch.empty((), dtype=dtype).element_size(),
+            disable_hybrid_kv_cache_manager=cfg.disable_hybrid_kv_cache_manager)
+        if self.kv_cache_config.is_hybrid:
+            check_hybrid_options(cfg, spec)
         runner_kwargs = dict(
             block_size=cfg.block_size, attention_backend=cfg.attention_backend, seed=cfg.seed,
             num_kvcache_blocks=cfg.num_kvcache_blocks, kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
@@ -97,7 +107,7 @@ class LLMEngine:
             self.model_runner = ModelRunner(self.model, self.config, **runner_kwargs,
                                             num_cpu_blocks=cfg.num_cpu_blocks or 0, proposer=proposer,
                                             num_offload_blocks=kv_transfer.num_cpu_blocks if kv_transfer else 0,
-                                            disk_tier=disk_tier)
+                                            disk_tier=disk_tier, kv_cache_config=self.kv_cache_config)
         else:
             from course_pkg.engine.tensor_parallel_runner import TensorParallelModelRunner
             self.model_runner = TensorParallelModelRunner.launch(
@@ -109,8 +119,7 @@ class LLMEngine:
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=self.max_model_len,
             enable_prefix_caching=cfg.enable_prefix_caching,
             eos_token_id=stop_token_ids(model, self.config, self.tokenizer),
-            block_manager=BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
-                                       free_queue=cfg.free_queue),
+            block_manager=make_block_manager(num_blocks, cfg, self.kv_cache_config),
             scheduling=cfg.scheduling, preemption_mode=cfg.preemption_mode, num_cpu_blocks=cfg.num_cpu_blocks,
             same_step_prefix_hits=cfg.same_step_prefix_hits,
             num_lookahead_tokens=spec.num_speculative_tokens if spec is not None else 0,
@@ -593,3 +602,28 @@ def open_disk_tier(path, model, config, block_size: int, dtype):
               "dtype": str(dtype).removeprefix("torch."), "num_layers": config.num_hidden_layers,
               "num_kv_heads": config.num_key_value_heads, "head_dim": head_dim}
     return DiskTier(path, layout, kv_block_bytes(config, block_size, dtype))
+
+
+def make_block_manager(num_blocks: int, cfg: EngineConfig, kv_cache_config: KVCacheConfig) -> BlockManager:
+    """The BlockManager of chapters 02-04, or for a hybrid model its groups' (chapter 16)."""
+    if kv_cache_config.is_hybrid:
+        return HybridBlockManager(num_blocks, cfg.block_size, kv_cache_config.sliding_windows,
+                                  cfg.enable_prefix_caching, free_queue=cfg.free_queue)
+    return BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, free_queue=cfg.free_queue)
+
+
+def check_hybrid_options(cfg: EngineConfig, spec) -> None:
+    """What the hybrid manager does not do yet, refused by name before anything is built."""
+    refused = []
+    if cfg.tensor_parallel_size > 1:
+        refused.append("tensor_parallel_size > 1")
+    if cfg.preemption_mode == "swap":
+        refused.append("preemption_mode='swap'")
+    if cfg.kv_transfer_config is not None:
+        refused.append("kv_transfer_config")
+    if spec is not None and spec.method != "ngram":
+        refused.append(f"speculative method {spec.method!r} (its draft layers would need every group's tables)")
+    if refused:
+        raise ValueError("this model has sliding-window layers, and its KV cache groups do not support "
+                         + ", ".join(refused) + " yet; pass disable_hybrid_kv_cache_manager=True to keep every "
+                         "layer's cache in one group")

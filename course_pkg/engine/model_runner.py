@@ -3,7 +3,9 @@
 The BlockManager hands out block *numbers*; this is where they become memory. At start-up
 the runner allocates **one** tensor for the whole cache,
 ``[2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim]``, sized from a
-memory budget, and never allocates KV memory again: a block id is an index into it.
+memory budget, and never allocates KV memory again: a block id is an index into it. (A hybrid
+model of chapter 16 has ``group_size`` layers there instead of ``num_layers``: the j-th layer of
+every KV cache group shares the j-th tensor, and a block id belongs to one group at a time.)
 
 For every step it builds the flat batch the model runs (see ``course_pkg.models``):
 
@@ -52,11 +54,13 @@ def resolve_backend(attention_backend: str, device: torch.device) -> str:
     return check_choice("attention_backend", attention_backend, BACKENDS)
 
 
-def kv_block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block of a model with ``config``: K and V, every layer, ``block_size`` tokens."""
+def kv_block_bytes(config, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    """Bytes of one KV block of a model with ``config``: K and V, every layer (or ``num_layers``:
+    a hybrid model's ``group_size``), ``block_size`` tokens."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * head_dim * itemsize
+    num_layers = config.num_hidden_layers if num_layers is None else num_layers
+    return 2 * num_layers * block_size * config.num_key_value_heads * head_dim * itemsize
 
 
 @dataclass
@@ -75,7 +79,7 @@ class ModelRunner:
                  num_kvcache_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
                  gpu_memory_utilization: float | None = None, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, num_cpu_blocks: int = 0, num_offload_blocks: int = 0,
-                 disk_tier=None, proposer=None):
+                 disk_tier=None, proposer=None, kv_cache_config=None):
         """The engine passes every setting from its ``EngineConfig`` (no default is decided here).
 
         The pool holds ``num_kvcache_blocks`` blocks, or what ``kv_cache_memory_bytes`` allows,
@@ -85,6 +89,8 @@ class ModelRunner:
         ``num_cpu_blocks``: the CPU pool that preemption swaps to (chapter 09);
         ``num_offload_blocks``: the tier of chapter 15, another host tensor of the same layout;
         ``disk_tier``: the disk tier's directory behind it (an ``offload.disk.DiskTier``), or None.
+        ``kv_cache_config``: a hybrid model's groups (``kv_cache_spec.KVCacheConfig``, chapter 16),
+        or None: one group of every layer.
         """
         param = next(model.parameters())
         self.model = model
@@ -94,6 +100,14 @@ class ModelRunner:
         self.block_size = block_size
         self.attention_backend = resolve_backend(attention_backend, self.device)
         self.num_layers = config.num_hidden_layers
+        # Which KV cache group each layer's table is, and which of the cache's layer slots holds it.
+        self.kv_cache_config = kv_cache_config
+        self.num_groups = 1 if kv_cache_config is None else len(kv_cache_config.kv_cache_groups)
+        if kv_cache_config is None:
+            self.layer_groups, layer_slots = [0] * self.num_layers, list(range(self.num_layers))
+        else:
+            self.layer_groups, layer_slots = zip(*map(kv_cache_config.group_and_slot, range(self.num_layers)))
+        self.num_layer_slots = max(layer_slots) + 1
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.vocab_size = config.vocab_size
@@ -103,10 +117,10 @@ class ModelRunner:
                                                           max_num_batched_tokens, max_model_len)
         check_positive_int("num_kvcache_blocks", num_kvcache_blocks)
         self.num_kvcache_blocks = num_kvcache_blocks
-        self.kv_cache = torch.zeros(2, self.num_layers, num_kvcache_blocks, block_size, self.num_kv_heads,
+        self.kv_cache = torch.zeros(2, self.num_layer_slots, num_kvcache_blocks, block_size, self.num_kv_heads,
                                     self.head_dim, dtype=self.dtype, device=self.device)
         # Per layer, (k_cache, v_cache): views into the one tensor, no copies.
-        self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(self.num_layers)]
+        self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in layer_slots]
         self.cpu_kv_cache = self._allocate_cpu_cache(num_cpu_blocks)
         self.offload_kv_cache = self._allocate_cpu_cache(num_offload_blocks)
         self.disk_tier = disk_tier
@@ -123,7 +137,7 @@ class ModelRunner:
         speed (and asynchronously)."""
         if not num_cpu_blocks:
             return None
-        shape = (2, self.num_layers, num_cpu_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (2, self.num_layer_slots, num_cpu_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         return torch.zeros(shape, dtype=self.dtype, device="cpu", pin_memory=self.device.type == "cuda")
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
@@ -187,8 +201,8 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers: K and V, ``block_size`` tokens each."""
-        return kv_block_bytes(self.config, self.block_size, self.dtype)
+        """Bytes of one block across all layers (a hybrid model's: a group's): K and V, ``block_size`` tokens each."""
+        return kv_block_bytes(self.config, self.block_size, self.dtype, self.num_layer_slots)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -426,7 +440,7 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[int] = []
+        slot_mappings: list[list[int]] = [[] for _ in range(self.num_groups)]   # one per KV cache group
         cu_seqlens_q = [0]
         context_lens: list[int] = []
         logits_rows: list[int] = []
@@ -443,21 +457,23 @@ class ModelRunner:
                 if not 0 <= start < end <= seq.num_tokens:
                     raise ValueError(f"sequence {seq.seq_id}: cannot compute tokens [{start}, {end}) "
                                      f"of {seq.num_tokens}")
-            if len(seq.block_table) * bs < end:
+            tables = self._block_tables(seq)
+            if min(len(table) for table in tables) * bs < end:
                 raise ValueError(f"sequence {seq.seq_id}: {len(seq.block_table)} blocks cannot hold "
                                  f"{end} tokens of block_size {bs}")
             input_ids.extend(token_ids[start:end])
             positions.extend(range(start, end))
             # Slots block by block: a run of consecutive slots inside each physical block.
             written = self._step.written if self._step is not None else {}   # (see _note_written)
-            for i in range(start // bs, (end - 1) // bs + 1):
-                first = max(start, i * bs)
-                last = min(end, (i + 1) * bs)
-                block_id = seq.block_table[i]
-                base = block_id * bs - i * bs
-                slot_mapping.extend(range(base + first, base + last))
-                if first - i * bs < written.get(block_id, bs):
-                    written[block_id] = first - i * bs
+            for table, slot_mapping in zip(tables, slot_mappings):
+                for i in range(start // bs, (end - 1) // bs + 1):
+                    first = max(start, i * bs)
+                    last = min(end, (i + 1) * bs)
+                    block_id = table[i]
+                    base = block_id * bs - i * bs
+                    slot_mapping.extend(range(base + first, base + last))
+                    if first - i * bs < written.get(block_id, bs):
+                        written[block_id] = first - i * bs
             cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
             context_lens.append(end)
             if drafts:
@@ -466,25 +482,39 @@ class ModelRunner:
             elif end == seq.num_tokens:
                 logits_rows.append(cu_seqlens_q[-1] - 1)
                 sample_seqs.append(seq)
-        max_blocks = max(len(seq.block_table) for seq in seqs)
-        block_tables = [seq.block_table + [-1] * (max_blocks - len(seq.block_table)) for seq in seqs]
         to = dict(device=self.device, non_blocking=True)
         pin = self.device.type == "cuda"
 
         def tensor(data, dtype):
             return torch.tensor(data, dtype=dtype, pin_memory=pin).to(**to)
 
-        attn = AttentionMetadata(
-            slot_mapping=tensor(slot_mapping, torch.long),
-            block_tables=tensor(block_tables, torch.int32),
-            context_lens=tensor(context_lens, torch.int32),
-            cu_seqlens_q=tensor(cu_seqlens_q, torch.int32),
-            max_q_len=max(b - a for a, b in zip(cu_seqlens_q, cu_seqlens_q[1:])),
-            max_context_len=max(context_lens),
-            backend=self.attention_backend,
-        )
+        context_lens_t, cu_seqlens_q_t = tensor(context_lens, torch.int32), tensor(cu_seqlens_q, torch.int32)
+        metadata = []   # one per KV cache group: its own slots and block tables
+        for g, slot_mapping in enumerate(slot_mappings):
+            tables = [self._block_tables(seq)[g] for seq in seqs]
+            max_blocks = max(len(table) for table in tables)
+            metadata.append(AttentionMetadata(
+                slot_mapping=tensor(slot_mapping, torch.long),
+                block_tables=tensor([table + [-1] * (max_blocks - len(table)) for table in tables], torch.int32),
+                context_lens=context_lens_t,
+                cu_seqlens_q=cu_seqlens_q_t,
+                max_q_len=max(b - a for a, b in zip(cu_seqlens_q, cu_seqlens_q[1:])),
+                max_context_len=max(context_lens),
+                backend=self.attention_backend,
+            ))
+        # Every layer reads its group's metadata (a model of one group: the one object for all).
+        attn = metadata[0] if self.num_groups == 1 else [metadata[g] for g in self.layer_groups]
         return (tensor(input_ids, torch.long), tensor(positions, torch.long), attn,
                 tensor(logits_rows, torch.long), sample_seqs)
+
+    def _block_tables(self, seq: Sequence) -> list[list[int]]:
+        """``seq``'s block table of every KV cache group (one, unless the model is hybrid)."""
+        if self.num_groups == 1:
+            return [seq.block_table]
+        if len(seq.group_block_tables) != self.num_groups - 1:
+            raise ValueError(f"sequence {seq.seq_id} has tables for {1 + len(seq.group_block_tables)} KV cache "
+                             f"groups, the model has {self.num_groups}")
+        return [seq.block_table, *seq.group_block_tables]
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> list[list[int]]:

@@ -38,6 +38,15 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) 
     return blocks.reshape(-1, *cache.shape[2:])[:context_len]
 
 
+def window_first_block(first_query_pos: int, sliding_window: int | None, block_size: int) -> int:
+    """The first block a query at ``first_query_pos`` (or later) reads: 0 in a full-attention
+    layer; in a local one the block of position ``first_query_pos - w + 1``. The blocks before it
+    are never read -- a hybrid model's manager may have given them back (chapter 16)."""
+    if sliding_window is None:
+        return 0
+    return max(0, first_query_pos - sliding_window + 1) // block_size
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor,
                         cu_seqlens_q: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
@@ -61,14 +70,16 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         q_len = end - start
         if q_len == 0:
             continue
-        k = gather_kv(k_cache, block_tables[i], context_len).to(compute_dtype)
-        v = gather_kv(v_cache, block_tables[i], context_len).to(compute_dtype)
+        first = window_first_block(context_len - q_len, sliding_window, k_cache.shape[1])
+        offset = first * k_cache.shape[1]   # the position the gathered keys start at
+        k = gather_kv(k_cache, block_tables[i][first:], context_len - offset).to(compute_dtype)
+        v = gather_kv(v_cache, block_tables[i][first:], context_len - offset).to(compute_dtype)
         k = k.repeat_interleave(group, dim=1).transpose(0, 1)   # [heads, ctx, dim]
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
         qs = q[start:end].to(compute_dtype).transpose(0, 1)     # [heads, q_len, dim]
         scores = (qs @ k.transpose(1, 2)) * scale                # [heads, q_len, ctx]
         q_pos = torch.arange(context_len - q_len, context_len).unsqueeze(1)
-        k_pos = torch.arange(context_len).unsqueeze(0)
+        k_pos = torch.arange(offset, context_len).unsqueeze(0)
         hidden = k_pos > q_pos
         if sliding_window is not None:
             hidden |= k_pos <= q_pos - sliding_window

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from course_pkg.kernels.reference import gather_kv, paged_attention_ref, store_kvcache_ref
+from course_pkg.kernels.reference import gather_kv, paged_attention_ref, store_kvcache_ref, window_first_block
 
 BACKENDS = ("torch", "triton", "reference")
 
@@ -191,9 +191,11 @@ def paged_attention_torch(q, k_cache, v_cache, attn: AttentionMetadata, scale: f
         start, end, context_len = cu[i], cu[i + 1], ctx[i]
         if fresh_ok and end - start == context_len:
             k, v = key[start:end], value[start:end]
-        else:
-            k = gather_kv(k_cache, attn.block_tables[i], context_len)
-            v = gather_kv(v_cache, attn.block_tables[i], context_len)
+        else:   # a local layer reads from its first query's window on (the blocks before may be gone)
+            first = window_first_block(context_len - (end - start), sliding_window, k_cache.shape[1])
+            table = attn.block_tables[i][first:]
+            k = gather_kv(k_cache, table, context_len - first * k_cache.shape[1])
+            v = gather_kv(v_cache, table, context_len - first * k_cache.shape[1])
         out[start:end] = _attend_one(q[start:end], k, v, scale, sliding_window)
     return out
 

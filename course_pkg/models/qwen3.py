@@ -159,7 +159,8 @@ class Qwen3Model(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attn, None if kv_caches is None else kv_caches[i])
+            layer_attn = attn[i] if isinstance(attn, list) else attn   # (a hybrid model: per layer, chapter 16)
+            x = layer(x, cos, sin, layer_attn, None if kv_caches is None else kv_caches[i])
         return self.norm(x)
 
 
@@ -192,20 +193,27 @@ class Qwen3ForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
-        """Hidden states ``[N, hidden_size]`` of a flat batch; writes its K/V into ``kv_caches``."""
+        """Hidden states ``[N, hidden_size]`` of a flat batch; writes its K/V into ``kv_caches``.
+        ``attn``: one ``AttentionMetadata`` for every layer, or a list of one per layer (a hybrid
+        model's KV cache groups each have their own block tables, chapter 16)."""
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids and positions must both be [N]; got "
                              f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
         if kv_caches is not None and len(kv_caches) != len(self.model.layers):
             raise ValueError(f"kv_caches has {len(kv_caches)} entries for "
                              f"{len(self.model.layers)} layers")
-        if attn.slot_mapping.shape[0] != input_ids.shape[0]:
-            raise ValueError(f"slot_mapping has {attn.slot_mapping.shape[0]} entries for "
+        first = attn
+        if isinstance(attn, list):
+            if len(attn) != len(self.model.layers):
+                raise ValueError(f"attn has {len(attn)} entries for {len(self.model.layers)} layers")
+            first = attn[0]   # (the lengths checked below are the same in every entry)
+        if first.slot_mapping.shape[0] != input_ids.shape[0]:
+            raise ValueError(f"slot_mapping has {first.slot_mapping.shape[0]} entries for "
                              f"{input_ids.shape[0]} tokens")
-        if attn.backend != "triton" or kv_caches is None:
+        if first.backend != "triton" or kv_caches is None:
             # Check the per-sequence lengths before any layer writes the cache (the triton
             # path skips this: reading them would cost a device synchronisation per step).
-            total = attn.plan()["cu"][-1]
+            total = first.plan()["cu"][-1]
             if total != input_ids.shape[0]:
                 raise ValueError(f"cu_seqlens_q ends at {total} but the batch has "
                                  f"{input_ids.shape[0]} tokens")
