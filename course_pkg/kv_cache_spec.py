@@ -175,16 +175,16 @@ def get_kv_cache_config(config, block_size: int, dtype_bytes: int, *,
     full attention for memory -- a sliding layer still attends to its window only.
     """
     by_spec = kv_cache_groups(config, block_size, dtype_bytes)
+    if not disable_hybrid_kv_cache_manager and all(isinstance(spec, SlidingWindowSpec) for spec, _ in by_spec):
+        raise ValueError("every layer of this model is a sliding_attention layer; the course's hybrid manager "
+                         "keeps the first KV cache group full attention -- pass "
+                         "disable_hybrid_kv_cache_manager=True to keep every layer's cache whole")
     if disable_hybrid_kv_cache_manager or len(by_spec) == 1:
         layers = tuple(range(config.num_hidden_layers))
         full = by_spec[0][0]
         full = FullAttentionSpec(full.block_size, full.num_kv_heads, full.head_size, full.dtype_bytes)
         return KVCacheConfig((KVCacheGroupSpec(layers, full),), len(layers))
     by_spec.sort(key=lambda group: isinstance(group[0], SlidingWindowSpec))   # full attention first
-    if isinstance(by_spec[0][0], SlidingWindowSpec):
-        raise ValueError("every layer of this model is a sliding_attention layer; the course's hybrid manager "
-                         "keeps the first KV cache group full attention -- pass "
-                         "disable_hybrid_kv_cache_manager=True to keep every layer's cache whole")
     counts = [len(layers) for _, layers in by_spec]
     group_size = min(counts)
     if max(counts) < 1.5 * min(counts):
@@ -195,3 +195,39 @@ def get_kv_cache_config(config, block_size: int, dtype_bytes: int, *,
         for j in range(num_groups):
             groups.append(KVCacheGroupSpec(layers[j::num_groups], spec))
     return KVCacheConfig(tuple(groups), group_size)
+
+
+#: The fields this module reads, from the published ``config.json`` of two hybrid models:
+#: Gemma 3 27B (five local layers of window 1,024 to one global: layer ``i`` is global when
+#: ``(i + 1) % 6 == 0``) and gpt-oss-120b (local and global layers alternate, window 128).
+PUBLISHED_CONFIGS = {
+    "gemma-3-27b": dict(num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16, head_dim=128,
+                        hidden_size=5376, sliding_window=1024,
+                        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(62)]),
+    "gpt-oss-120b": dict(num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                         hidden_size=2880, sliding_window=128,
+                         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(36)]),
+}
+
+
+def published_config(name: str):
+    """A config object with the published fields of ``name`` (a key of ``PUBLISHED_CONFIGS``)."""
+    from types import SimpleNamespace
+
+    if name not in PUBLISHED_CONFIGS:
+        raise ValueError(f"unknown model {name!r}; known: {sorted(PUBLISHED_CONFIGS)}")
+    return SimpleNamespace(**PUBLISHED_CONFIGS[name])
+
+
+def bytes_per_request_in_layout(kv_cache_config: KVCacheConfig, num_tokens: int) -> int:
+    """What a request holds at most in an engine laid out by ``kv_cache_config``: every group's
+    blocks times a block id's bytes -- ``group_size`` pages, padding included (the cost of vLLM's
+    equal-sized groups that ``bytes_per_request`` leaves out)."""
+    total = 0
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        blocks = cdiv(num_tokens, spec.block_size)
+        if isinstance(spec, SlidingWindowSpec):
+            blocks = min(blocks, spec.max_blocks_held)
+        total += blocks * kv_cache_config.group_size * spec.page_size_bytes
+    return total

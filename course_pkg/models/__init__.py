@@ -35,11 +35,11 @@ if not torch.cuda.is_available():
 
 from course_pkg.models.attention import AttentionMetadata  # noqa: E402
 from course_pkg.models.checkpoint import BENCHMARK_CONFIG, build_random_checkpoint, copy_default_model  # noqa: E402
-from course_pkg.models.loader import default_model_path, load_config, load_model, load_tokenizer, load_weights  # noqa: E402
+from course_pkg.models.loader import default_model_path, hybrid_model_path, load_config, load_model, load_tokenizer, load_weights  # noqa: E402
 from course_pkg.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 
 __all__ = [
     "AttentionMetadata", "BENCHMARK_CONFIG", "Qwen3ForCausalLM", "build_random_checkpoint",
-    "copy_default_model", "default_model_path", "load_config", "load_model", "load_tokenizer",
+    "copy_default_model", "default_model_path", "hybrid_model_path", "load_config", "load_model", "load_tokenizer",
     "load_weights",
 ]

@@ -40,6 +40,12 @@ def default_model_path() -> Path:
     return Path(__file__).resolve().parent / "tiny"
 
 
+def hybrid_model_path() -> Path:
+    """Its hybrid twin (chapter 16): layers 0 and 2 local with a window of 32, layers 1 and 3
+    global, trained from scratch that way (tools/train_tiny_model.py --hybrid)."""
+    return Path(__file__).resolve().parent / "tiny_hybrid"
+
+
 def load_config(path):
     """The folder's ``Qwen3Config``, after checking it is a Qwen3 config this model can build.
 
