@@ -76,7 +76,8 @@ def check_invariants(bm: BlockManager, live: list[Sequence], between_steps: bool
     for b in bm.blocks:
         assert (b.ref_count == 0) == (b.block_id in set(free)), f"block {b.block_id}: ref {b.ref_count} vs free queue"
         assert b.ref_count >= 0
-    entries = sum(len(s.block_table) for s in live)
+    # (a hybrid model's other KV cache groups hold blocks too: their tables' entries that are not -1)
+    entries = sum(len(s.block_table) + sum(1 for t in s.group_block_tables for b in t if b != -1) for s in live)
     assert sum(b.ref_count for b in bm.blocks) == entries, "ref counts do not sum to block-table entries"
     for s in live:
         assert len(set(s.block_table)) == len(s.block_table), "a sequence holds the same block twice"

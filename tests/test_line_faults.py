@@ -29,7 +29,7 @@ import pytest
 import course_pkg
 from course_pkg import LLM
 from tests.helpers import check_invariants, check_tier
-from tests.test_step_transaction import CONFIGS, CPU, MODEL, PARAMS, PROMPTS
+from tests.test_step_transaction import CONFIGS, CPU, MODEL, PARAMS, PROMPTS, make_llm
 
 TRACED = (str(Path(course_pkg.__file__).parent), contextlib.__file__)
 # Not faulted: the deferral's own lines. The one fault that can come from outside there is the
@@ -37,7 +37,7 @@ TRACED = (str(Path(course_pkg.__file__).parent), contextlib.__file__)
 # Ctrl-C handler half restored, which no real fault can do.
 UNTRACED = {"deferred_interrupts", "_pass_on"}
 SWEEP = {"prefill_first-recompute": 12, "mixed-swap-same_step": 12,   # faulted runs per fault kind
-         "mixed-recompute-same_step-tier_arc": 8}
+         "mixed-recompute-same_step-tier_arc": 8, "hybrid-mixed-recompute-same_step": 8}
 KINDS = ("RuntimeError", "MemoryError", "SIGINT")
 
 
@@ -126,7 +126,7 @@ def counted():
     result = {}
     for name in SWEEP:
         tracer = LineFault()
-        tokens = serve(LLM(MODEL, **CPU, **CONFIGS[name]), tracer)
+        tokens = serve(make_llm(CONFIGS[name]), tracer)
         result[name] = tokens, tracer.lines
     return result
 
@@ -141,7 +141,7 @@ def test_a_fault_at_any_line_of_a_step_leaves_no_half_open_step_and_loses_no_out
     for i in range(runs):
         at = 1 + offset + i * lines // runs
         tracer = LineFault(at, kind)
-        got = serve(LLM(MODEL, **CPU, **CONFIGS[config]), tracer)
+        got = serve(make_llm(CONFIGS[config]), tracer)
         assert tracer.fired, f"line event {at} of {lines} was never reached"
         assert got == expected, f"other tokens than a fault-free run after a fault at {tracer.where}"
 
@@ -153,10 +153,10 @@ def test_a_sigint_at_each_of_the_last_lines_of_a_run_loses_no_output(counted):
     line events of a run."""
     expected, _ = counted["prefill_first-recompute"]
     clean = LineFault()                       # counted again: a first run traces one-time set-up too
-    assert serve(LLM(MODEL, **CPU, **CONFIGS["prefill_first-recompute"]), clean) == expected
+    assert serve(make_llm(CONFIGS["prefill_first-recompute"]), clean) == expected
     for at in range(clean.lines - 15, clean.lines + 1):
         tracer = LineFault(at, "SIGINT")
-        got = serve(LLM(MODEL, **CPU, **CONFIGS["prefill_first-recompute"]), tracer)
+        got = serve(make_llm(CONFIGS["prefill_first-recompute"]), tracer)
         assert tracer.fired and got == expected, f"other tokens after a SIGINT at {tracer.where}"
 
 
@@ -218,8 +218,8 @@ def test_a_sigint_at_every_line_of_the_commit_and_the_hand_out_loses_nothing():
     """A real SIGINT raised at every line of the commit, the ready marks and the hand-out, on
     every other step: each such step raises KeyboardInterrupt with its work standing and its
     outputs safe, and the run ends with the fault-free tokens."""
-    llm = LLM(MODEL, **CPU, **CONFIGS["prefill_first-recompute"])
-    expected = serve(LLM(MODEL, **CPU, **CONFIGS["prefill_first-recompute"]))
+    llm = make_llm(CONFIGS["prefill_first-recompute"])
+    expected = serve(make_llm(CONFIGS["prefill_first-recompute"]))
     ids = [llm.add_request(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
     returned, interrupted, step = {}, 0, 0
     names = {"commit", "_end", "commit_step", "_hand_out_ready", "_take_outbox", "_mark_ready"}

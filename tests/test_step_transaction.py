@@ -21,15 +21,18 @@ test_forks.py, test_scheduling.py).
 from __future__ import annotations
 
 import gc
-import tempfile
+import json
 import random
+import shutil
+import tempfile
 from dataclasses import astuple
+from pathlib import Path
 
 import pytest
 import torch
 
 from course_pkg import LLM, SamplingParams, undo
-from course_pkg.models import default_model_path
+from course_pkg.models import default_model_path, hybrid_model_path
 from course_pkg.sampling_params import BeamSearchParams
 from course_pkg.sequence import SequenceStatus
 from tests.helpers import Fault, check_invariants, check_tier, state, tier_state
@@ -58,6 +61,26 @@ CONFIGS = {
         block_size=4, num_kvcache_blocks=14, max_num_batched_tokens=10, scheduling="mixed", same_step_prefix_hits=True,
         kv_transfer_config={"kv_connector_extra_config": {"num_cpu_blocks": 8, "eviction_policy": "arc"}}),
 }
+
+
+
+def _hybrid_model_with_a_small_window(window: int = 6) -> Path:
+    """The hybrid tiny model with a window of ``window`` instead of 32, so that these short
+    requests' local groups give blocks back (its tokens are compared with its own fault-free
+    run, not with a reference model)."""
+    folder = Path(tempfile.mkdtemp(prefix="course-hybrid-window-"))
+    for f in hybrid_model_path().iterdir():
+        shutil.copy(f, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["sliding_window"] = window
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+# a hybrid model (chapter 16): one full-attention group and one local group of window 6
+CONFIGS["hybrid-mixed-recompute-same_step"] = dict(
+    model=_hybrid_model_with_a_small_window(), block_size=4, num_kvcache_blocks=26, max_num_batched_tokens=10,
+    scheduling="mixed", same_step_prefix_hits=True)
 
 _rng = random.Random(17)
 _SHARED = [_rng.randrange(3, 1000) for _ in range(9)]
@@ -105,7 +128,8 @@ def snapshot(llm) -> dict:
         for q in [s] + s.children:
             seqs[q.seq_id] = (tuple(q.token_ids), q.num_tokens, q.num_cached_tokens, q.num_scheduled_tokens,
                               q.status, tuple(q.block_table), tuple(q.block_hashes), q.num_preemptions,
-                              round(q.cumulative_logprob, 9), tuple(c.seq_id for c in q.children))
+                              round(q.cumulative_logprob, 9), tuple(c.seq_id for c in q.children),
+                              tuple(map(tuple, q.group_block_tables)))
     stats = bm.prefix_cache_stats
     pool = sched.cpu_pool
     generators = {("shared",): bytes(sampler.generator.get_state().numpy())}
@@ -125,6 +149,7 @@ def snapshot(llm) -> dict:
         "generators": generators,
         "engine": (llm.num_steps, sorted(llm._requests), list(llm._ready)),
         "tier": None if sched.offload is None else tier_state(sched.offload),
+        "groups": [dict(g.chains) for g in getattr(bm, "groups", ())],   # a hybrid model's other groups
     }
 
 
@@ -205,12 +230,17 @@ def compare(llm, before: dict, after: dict, kv_written: bool) -> str:
 
 @pytest.fixture(scope="module")
 def references():
-    return {name: run(LLM(MODEL, **CPU, **cfg)) for name, cfg in CONFIGS.items()}
+    return {name: run(make_llm(cfg)) for name, cfg in CONFIGS.items()}
+
+
+def make_llm(cfg: dict):
+    cfg = dict(cfg)
+    return LLM(cfg.pop("model", MODEL), **CPU, **cfg)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_a_fault_at_any_call_of_a_step_undoes_the_step_and_changes_no_token(references, config):
-    llm = LLM(MODEL, **CPU, **CONFIGS[config])
+    llm = make_llm(CONFIGS[config])
     expected = references[config]
     ref_metrics = None
     outcomes: dict[str, int] = {}

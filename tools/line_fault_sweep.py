@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 from course_pkg import LLM  # noqa: E402
 from tests.test_line_faults import KINDS, LineFault, check_after_fault  # noqa: E402
-from tests.test_step_transaction import CONFIGS, CPU, MODEL, PARAMS, PROMPTS  # noqa: E402
+from tests.test_step_transaction import CONFIGS, CPU, MODEL, PARAMS, PROMPTS, make_llm  # noqa: E402
 
 NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
 DRAFT = dict(method="early_exit", num_speculative_tokens=3, num_draft_layers=2)
@@ -104,7 +104,7 @@ def main() -> int:
         if args.only and args.only not in name:
             continue
         clean = LineFault()
-        expected = serve(LLM(MODEL, **CPU, **config), prompts, clean)
+        expected = serve(make_llm(config), prompts, clean)
         rng = random.Random(name)
         for kind in KINDS:
             failures, fired = [], 0
@@ -112,7 +112,7 @@ def main() -> int:
             for i in range(args.samples):
                 at = 1 + int((i + offset) * clean.lines / args.samples)
                 tracer = LineFault(at, kind)
-                llm = LLM(MODEL, **CPU, **config)
+                llm = make_llm(config)
                 signal.setitimer(signal.ITIMER_REAL, args.limit)
                 try:
                     tokens = serve(llm, prompts, tracer)
