@@ -20,7 +20,7 @@ def test_every_chapter_is_there():
     for chapter in ["00_overview", "01_block", "02_block_manager", "03_lru_reversed_deallocate", "04_prefix_caching",
                     "05_triton_paged_attention", "06_engine", "07_claims", "08_forks_copy_on_write", "09_scheduling",
                     "10_tensor_parallel", "11_real_traces", "12_sharing_safely", "13_serving", "14_speculative_decoding",
-                    "15_offloading"]:
+                    "15_offloading", "16_hybrid_models"]:
         assert chapter in names
 
 
@@ -43,7 +43,7 @@ def test_notebook_is_executed_in_order_and_clean(path):
 
 
 CHAPTERS = [p for p in NOTEBOOKS if p.stem[:2] in {"00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12",
-                                                   "13", "14", "15"}]
+                                                   "13", "14", "15", "16"}]
 
 
 def headings(nb) -> list[str]:
