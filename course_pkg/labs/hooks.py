@@ -47,6 +47,9 @@ PRIVATE_MEMBERS: dict[tuple[str, str], str] = {
         "stubs.StudentRollbackBlockManager (docstring); mutants.TailReleaseRollbackBlockManager",
     ("course_pkg.block_manager:BlockManager", "_num_verified_blocks"): "mutants of lab rollback (the blocks kept)",
     ("course_pkg.block_manager:BlockManager", "_deallocate_block"): "mutants.TailReleaseRollbackBlockManager",
+    ("course_pkg.hybrid_block_manager:SlidingWindowManager", "_release"):
+        "stubs.StudentSlidingWindowManager (docstring); mutants.OldestFirstSlidingWindowManager; "
+        "solution of sliding_window",
     ("course_pkg.radix_tree:RadixCache", "_is_evictable_leaf"):
         "mutants InnerEvictingRadixCache, HeldEvictingRadixCache",
     ("course_pkg.engine.async_llm:AsyncLLM", "_process"): "streaming_labs (stub, mutants); solution of output_processor",

@@ -17,6 +17,7 @@ from collections import deque
 from course_pkg.block import Block
 from course_pkg.block_manager import BlockManager, NoFreeBlocksError, PrefixCacheStats
 from course_pkg.free_block_queue import FreeBlockQueue
+from course_pkg.hybrid_block_manager import NULL_BLOCK, SlidingWindowManager
 from course_pkg.offload.manager import ARCOffloadingManager
 from course_pkg.policies import AdmissionPolicy
 from course_pkg.radix_tree import RadixCache, RadixNode
@@ -828,3 +829,58 @@ class LookupPastMissARC(ARCOffloadingManager):
         self.stats.queried += len(block_hashes)
         self.stats.hits += hits
         return hits
+
+
+# ---------------------------------------------------------------- chapter 16: a sliding window's blocks
+
+class EarlyFreeSlidingWindowManager(SlidingWindowManager):
+    """Rounds the window's first position *up* to a block: the block holding position ``n - w + 1``
+    is given back while a query still reads it (one block too far, unless that position starts a block)."""
+
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        if self.sliding_window is None:
+            return 0
+        return -(-max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size)
+
+
+class WideWindowSlidingWindowManager(SlidingWindowManager):
+    """Counts ``w + 1`` positions as the window (``n - w`` instead of ``n - w + 1``): a block that
+    left the window is kept, and a hit asks for one that is not needed."""
+
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window) // self.block_size
+
+
+class NeverFreesSlidingWindowManager(SlidingWindowManager):
+    """Gives nothing back: a local group holds every block, as a full-attention group does."""
+
+    def remove_skipped_blocks(self, seq: Sequence) -> list[int]:
+        return []
+
+
+class OldestFirstSlidingWindowManager(SlidingWindowManager):
+    """Gives the blocks back oldest first: the older block reaches the free queue's tail first, so
+    it is evicted before the newer ones (and the ids come back in the wrong order)."""
+
+    def remove_skipped_blocks(self, seq: Sequence) -> list[int]:
+        table = self.table(seq)
+        freed = []
+        for i in range(min(self.first_needed_block(seq.num_cached_tokens), len(table))):
+            if table[i] != NULL_BLOCK:
+                self._release(table[i])
+                freed.append(table[i])
+                table[i] = NULL_BLOCK
+        return freed
+
+
+class LeftSearchSlidingWindowManager(SlidingWindowManager):
+    """Counts the leading run of cached blocks, stopping at the first miss -- a full-attention
+    group's rule: a window still cached at the end of a prompt whose early blocks were evicted is missed."""
+
+    def longest_hit(self, seq: Sequence, num_blocks: int, cached: list[int], ids: list) -> int:
+        hit = 0
+        while hit < num_blocks and cached[hit] != NULL_BLOCK and ids[hit] is not None:
+            hit += 1
+        return hit

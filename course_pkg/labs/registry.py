@@ -250,6 +250,26 @@ _LABS = [
         ("course_pkg.offload.manager:OffloadingManager.lookup", "course_pkg.offload.manager:ARCOffloadingManager.touch",
          "course_pkg.offload.manager:ARCOffloadingManager._eviction_order"),
         task="`lookup` (the tier's, for any policy), `ARCOffloadingManager.touch` and `_eviction_order`"),
+    Lab("sliding_window", "A window's blocks: give back what left it, hit on what it reads", 16,
+        "first_needed_block by hand (windows 1 to 13 and None, block sizes 1, 2, 4); the blocks given back "
+        "by hand: table entries, ids newest first, the free queue's order (at the tail, still registered), a "
+        "block a fork shares; longest_hit by hand (early blocks missing, the window cached: the hit on the "
+        "right; unknown prefixes); a window hit end to end through can_allocate; random requests through two "
+        "Schedulers in lockstep with the package's managers, every decision after every step, and every read "
+        "of every query checked against a fake K/V",
+        "course_pkg.hybrid_block_manager:SlidingWindowManager", f"{_S}:StudentSlidingWindowManager",
+        f"{_G}.hybrid:grade_sliding_window",
+        {"frees one block too early": f"{_M}:EarlyFreeSlidingWindowManager",
+         "window of w + 1 positions": f"{_M}:WideWindowSlidingWindowManager",
+         "never frees": f"{_M}:NeverFreesSlidingWindowManager",
+         "frees oldest first": f"{_M}:OldestFirstSlidingWindowManager",
+         "searches hits from the left": f"{_M}:LeftSearchSlidingWindowManager"},
+        ("course_pkg.hybrid_block_manager:SlidingWindowManager.first_needed_block",
+         "course_pkg.hybrid_block_manager:SlidingWindowManager.remove_skipped_blocks",
+         "course_pkg.hybrid_block_manager:SlidingWindowManager.longest_hit"),
+        task="`SlidingWindowManager.first_needed_block`, `remove_skipped_blocks` (the blocks that left the "
+             "window, given back) and `longest_hit` (a prefix hit that needs only the window, searched from "
+             "the right)"),
     Lab("kv_block_bytes", "Bytes of one KV block", 7,
         "hand-computed sizes (Qwen3-0.6B, Llama-3-8B, odd shapes) and the bytes a ModelRunner allocates per block",
         "course_pkg.labs.arithmetic:kv_block_bytes", f"{_S}:student_kv_block_bytes",

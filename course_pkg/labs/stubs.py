@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from course_pkg.block import Block
 from course_pkg.block_manager import BlockManager
+from course_pkg.hybrid_block_manager import SlidingWindowManager
 from course_pkg.offload.manager import ARCOffloadingManager
 from course_pkg.radix_tree import RadixCache, RadixNode
 from course_pkg.scheduler import Scheduler, StepPlan
@@ -381,4 +382,51 @@ class StudentARCOffloadingManager(ARCOffloadingManager):
         ``n`` may go. Only a ready block that no load holds (``ref_cnt == 0``) may go, least
         recently used first within each list; take from ``t1`` while the ``t1`` that is left is
         larger than ``p`` (or when ``t2`` has no block left that may go), else from ``t2``."""
+        ...
+
+
+# ---------------------------------------------------------------- chapter 16
+
+class StudentSlidingWindowManager(SlidingWindowManager):
+    """Lab ``sliding_window``: a sliding-window group's blocks -- give back what left the window,
+    hit on what the window reads.
+
+    A query at position ``p`` of a group of window ``w`` (``self.sliding_window``; None for a
+    full-attention group other than the first) reads positions ``p - w + 1 .. p`` only.
+
+    Kept from the package: ``self.pool`` (the ``HybridBlockManager`` whose ``blocks``, free queue
+    and ``used_block_ids`` every group draws on), ``self.block_size``, ``self.table(seq)`` (this
+    group's block table of ``seq``, a list in ``seq.group_block_tables``; an entry is a block id,
+    or ``NULL_BLOCK`` -- from ``course_pkg.hybrid_block_manager``, -1 -- where a block was given
+    back), ``self._release(block_id)`` (drops one reference to a block; at 0 the block goes to the
+    tail of the free queue, keeping its hash: still a cache entry), ``cached_blocks`` (the lookup
+    that computes the ``cached`` and ``ids`` lists ``longest_hit`` is given) and every other call;
+    ``HybridBlockManager`` calls yours in ``can_allocate``, ``allocate``, ``hash_blocks`` and ``fork``.
+    """
+
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        """The index of the first block that a query at position ``num_computed_tokens``, or at
+        any later position, still reads: the block holding position ``num_computed_tokens - w + 1``
+        (block 0 while that is below 0). 0 for a full-attention group (``sliding_window`` None)."""
+        ...
+
+    def remove_skipped_blocks(self, seq: Sequence) -> list[int]:
+        """Give back every block of this group's table of ``seq`` that no future query reads:
+        the entries before ``first_needed_block(seq.num_cached_tokens)`` (within the table) that
+        still hold a block. Release each with ``self._release(block_id)`` -- a block a fork
+        shares only loses this reference -- newest (highest index) first, so that the older
+        block reaches the free queue's tail last, and set its entry to ``NULL_BLOCK``. Return
+        their ids in that order (newest first); ``[]`` when there is nothing to give back.
+        (Entries before an entry that is ``NULL_BLOCK`` are ``NULL_BLOCK`` already.)"""
+        ...
+
+    def longest_hit(self, seq: Sequence, num_blocks: int, cached: list[int], ids: list) -> int:
+        """How many leading blocks of ``seq``, at most ``num_blocks``, this group can count as
+        computed. ``cached[i]`` is the cached block holding this group's block ``i`` of ``seq``
+        (``NULL_BLOCK``: none), ``ids[i]`` the exact id of the prefix ending at block ``i`` (None:
+        never computed). A hit of ``L`` blocks means computing resumes at position
+        ``L * block_size``; it needs ``ids[L - 1]`` known and the blocks that query reads --
+        ``cached[first_needed_block(L * block_size):L]`` -- all cached (not the ones before).
+        Return the largest such ``L``, or 0: search from the right, since blocks before the window
+        may be missing while the window is cached. Change neither list."""
         ...
