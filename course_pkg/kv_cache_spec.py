@@ -158,7 +158,8 @@ class KVCacheConfig:
 
     @property
     def padding_layers(self) -> int:
-        """Pages per block id that no layer uses, summed over the groups."""
+        """Padding layers, summed over the groups: a group of ``k < group_size`` layers leaves
+        ``group_size - k`` of each of its block ids' pages unused."""
         return sum(self.group_size - len(g.layer_ids) for g in self.kv_cache_groups)
 
 

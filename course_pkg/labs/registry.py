@@ -251,7 +251,7 @@ _LABS = [
          "course_pkg.offload.manager:ARCOffloadingManager._eviction_order"),
         task="`lookup` (the tier's, for any policy), `ARCOffloadingManager.touch` and `_eviction_order`"),
     Lab("sliding_window", "A window's blocks: give back what left it, hit on what it reads", 16,
-        "first_needed_block by hand (windows 1 to 13 and None, block sizes 1, 2, 4); the blocks given back "
+        "first_needed_block by hand (windows 1, 4, 5, 6, 8 and None, block sizes 1, 2, 4); the blocks given back "
         "by hand: table entries, ids newest first, the free queue's order (at the tail, still registered), a "
         "block a fork shares; longest_hit by hand (early blocks missing, the window cached: the hit on the "
         "right; unknown prefixes); a window hit end to end through can_allocate; random requests through two "

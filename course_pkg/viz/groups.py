@@ -75,23 +75,25 @@ def render_groups(snap: GroupsSnapshot) -> str:
     for name, groups in snap.tables.items():
         lines.append(f"  {name}: {snap.num_tokens[name]} tokens, {snap.num_computed[name]} computed")
         for g, table in enumerate(groups):
-            cells = " ".join(f"{b:>2}" if b != NULL else " ." for b in table)
+            cells = " ".join(f"{b:>2}" if b != NULL else " -" for b in table)
             held = sum(1 for b in table if b != NULL)
             lines.append(f"    {_group_name(g, snap.windows[g]):<{width}} [{cells}]  holds {held}")
     ids = range(len(snap.blocks))
     lines.append("  block  " + " ".join(f"{b:>2}" for b in ids))
-    lines.append("  group  " + " ".join(f"{g:>2}" if g >= 0 else " ." for g, _, _ in snap.blocks))
+    lines.append("  group  " + " ".join(f"{g:>2}" if g >= 0 else "  " for g, _, _ in snap.blocks))
     lines.append("  refs   " + " ".join(f"{r:>2}" for _, r, _ in snap.blocks))
-    lines.append("  cached " + " ".join(" *" if c else " ." for _, _, c in snap.blocks))
+    lines.append("  cached " + " ".join(" *" if c else "  " for _, _, c in snap.blocks))
     queue = " ".join(f"{b}{'*' if snap.blocks[b][2] else ''}" for b in snap.free_queue)
     lines.append(f"  free queue, head first (* still cached): {queue}")
+    lines.append("  (-: a block given back; a blank group: never held; refs 0: free)")
     return "\n".join(lines)
 
 
 def draw_groups_steps(snaps: Sequence[GroupsSnapshot], title: str | None = None) -> Figure:
-    """One row per snapshot: every sequence's tables (a cell per logical block, colored by group,
-    grey where the block left the window) on the left, the pool on the right (held: the group's
-    color; free but cached: pale; free and empty: white; the number is the ref count)."""
+    """One row per snapshot: every sequence's tables (a row per group, ``g0``, ``g1``, ...: a cell
+    per logical block holding its block id, colored by group, grey where the block left the
+    window) on the left, the pool on the right (each cell a block id -- held: the group's color,
+    with ``xN`` when N sequences share it; free but cached: pale; free and empty: white)."""
     max_blocks = max((len(t) for s in snaps for groups in s.tables.values() for t in groups), default=1)
     num_rows = max(sum(len(groups) for groups in s.tables.values()) for s in snaps)
     pool = len(snaps[0].blocks)
@@ -126,10 +128,14 @@ def draw_groups_steps(snaps: Sequence[GroupsSnapshot], title: str | None = None)
                 face, alpha = "white", 1.0
             ax.add_patch(Rectangle((px, py), 0.92, 0.9, facecolor=face, alpha=alpha, edgecolor="#999999",
                                    linewidth=0.5))
-            ax.text(px + 0.46, py + 0.45, str(refs) if refs else str(b), fontsize=5.5, ha="center", va="center",
-                    color="white" if refs else "#777777")
+            ax.text(px + 0.46, py + 0.45, str(b) + (f"x{refs}" if refs > 1 else ""), fontsize=5.5, ha="center",
+                    va="center", color="white" if refs else "#777777")
         y0 -= row_h
-    ax.text(x_pool, 0.35, "pool (number: ref count if held, else block id; pale: free but cached)", fontsize=7)
+    ax.text(x_pool, 0.35, "the pool: block ids (pale: free but still cached; white: free)", fontsize=7)
+    windows = snaps[0].windows
+    for g, w in enumerate(windows):   # the legend: a swatch per group
+        ax.add_patch(Rectangle((-3.1 + 3.4 * g, 0.25), 0.6, 0.5, facecolor=GROUP_COLORS[g % len(GROUP_COLORS)]))
+        ax.text(-3.1 + 3.4 * g + 0.8, 0.5, f"g{g}: {_group_name(g, w)}", fontsize=6.5, va="center")
     ax.set_xlim(-3.2, x_pool + pool_cols + 0.2)
     ax.set_ylim(y0 + 0.2, 1.0)
     ax.axis("off")
