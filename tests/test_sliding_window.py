@@ -191,3 +191,65 @@ def test_an_unknown_layer_type_is_refused_by_name(tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="chunked_attention"):
         LLM(path, device="cpu", dtype=torch.float32, num_kvcache_blocks=8)
+
+
+def given_back(args, window):
+    """``args`` as a hybrid model's local group leaves them: each sequence's blocks wholly before its
+    first query's window are -1 in its table, and their memory holds NaN (another group's, or no
+    one's): any read of them poisons the output."""
+    from course_pkg.kernels.reference import window_first_block
+
+    args = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    block_size = args["k_cache"].shape[1]
+    cu, ctxs = args["cu_seqlens_q"].tolist(), args["context_lens"].tolist()
+    gone = 0
+    for s, ctx in enumerate(ctxs):
+        first = window_first_block(ctx - (cu[s + 1] - cu[s]), window, block_size)
+        for j in range(first):
+            block = int(args["block_tables"][s, j])
+            args["k_cache"][block] = float("nan")
+            args["v_cache"][block] = float("nan")
+            args["block_tables"][s, j] = -1
+            gone += 1
+    assert gone > 0, "test setup: the window should leave blocks behind"
+    return args
+
+
+@pytest.mark.parametrize("window", [3, 7])
+def test_blocks_given_back_before_the_window_are_never_read(window):
+    """The three paths on a table with -1 (and NaN memory) before each window give what the
+    reference gives on the whole table: the Triton kernel, the torch path, the reference itself."""
+    from course_pkg.kernels.triton_kernels import launch_paged_attention
+
+    args = case(3)
+    want = paged_attention_ref(**args, sliding_window=window)
+    gone = given_back(args, window)
+    torch.testing.assert_close(paged_attention_ref(**gone, sliding_window=window), want, rtol=1e-5, atol=1e-5)
+    attn = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), block_tables=gone["block_tables"],
+                             context_lens=gone["context_lens"], cu_seqlens_q=gone["cu_seqlens_q"],
+                             max_q_len=9, max_context_len=23)
+    torch.testing.assert_close(paged_attention_torch(gone["q"], gone["k_cache"], gone["v_cache"], attn, gone["scale"],
+                                                     sliding_window=window), want, rtol=1e-4, atol=1e-4)
+    out = torch.full_like(gone["q"], float("nan"))
+    launch_paged_attention(out, gone["q"], gone["k_cache"], gone["v_cache"], gone["block_tables"],
+                           gone["context_lens"], gone["cu_seqlens_q"], gone["scale"], max_q_len=9, num_splits=2,
+                           sliding_window=window)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+
+
+def test_beam_search_on_the_hybrid_groups_equals_the_whole_cache(hybrid):
+    """Beams fork and drop every step: on the KV cache groups they rank the same hypotheses as on
+    one group of every layer (the hybrid manager disabled: the cache that equals HF elsewhere)."""
+    from course_pkg.sampling_params import BeamSearchParams
+
+    path, _ = hybrid
+    prompt = torch.randint(3, 512, (11,), generator=torch.Generator().manual_seed(8)).tolist()
+    params = BeamSearchParams(beam_width=3, max_tokens=16)
+    results = []
+    for disable in (False, True):
+        llm = LLM(path, device="cpu", dtype=torch.float32, attention_backend="torch", block_size=4,
+                  num_kvcache_blocks=120, disable_hybrid_kv_cache_manager=disable)
+        out = llm.beam_search([prompt], params)[0]
+        results.append([(s.tokens, round(s.cum_logprob, 4)) for s in out.sequences])
+        assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert results[0] == results[1] and len(results[0]) == 3
