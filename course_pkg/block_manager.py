@@ -577,12 +577,17 @@ class BlockManager:
 
     # ---------------------------------------------------------------- swapping (chapter 09)
 
-    def can_swap_in(self, seq: Sequence) -> bool:
-        """Are there free blocks for every token of a swapped-out ``seq``?"""
+    def computed_blocks(self, seq: Sequence) -> list[int]:
+        """The blocks of ``seq`` that hold computed K/V, in logical order: what a swap copies."""
+        return seq.block_table[:-(-seq.num_cached_tokens // self.block_size)]
+
+    def can_swap_in(self, seq: Sequence, num_computed_tokens: int = 0) -> bool:
+        """Are there free blocks for every token of a swapped-out ``seq``? (``num_computed_tokens``,
+        the tokens its CPU copy holds, matters only to a hybrid model's manager, chapter 16.)"""
         self._check_block_size(seq)
         return seq.num_blocks <= len(self.free_block_ids)
 
-    def allocate_for_swap_in(self, seq: Sequence) -> None:
+    def allocate_for_swap_in(self, seq: Sequence, num_computed_tokens: int = 0) -> None:
         """Give a swapped-out ``seq`` a fresh block for every token; no prefix-cache lookup.
 
         Its K/V come back from the CPU pool, copied into these blocks before the step runs, so

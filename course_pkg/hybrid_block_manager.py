@@ -137,6 +137,27 @@ class SlidingWindowManager:
             table.append(block_id)
         self.chains[seq.seq_id] = (hit, hashes[hit - 1], ids[hit - 1]) if hit else (0, self._chain_start(seq), -1)
 
+    def computed_blocks(self, seq: Sequence) -> list[int]:
+        """This group's blocks of ``seq`` holding computed K/V that a query still reads: what a
+        swap copies (the blocks before them have left the window)."""
+        num_computed = seq.num_cached_tokens
+        return self.table(seq)[self.first_needed_block(num_computed):cdiv(num_computed, self.block_size)]
+
+    def allocate_for_swap_in(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """A swapped-out ``seq`` comes back with ``num_computed_tokens`` computed: NULL_BLOCK
+        before its window, fresh blocks from there on; its place in the hash chain is found again
+        from the pool's exact names (none found: this group registers no more of its blocks)."""
+        first = self.first_needed_block(num_computed_tokens)
+        table = self.table(seq)
+        table.extend([NULL_BLOCK] * first)
+        for _ in range(seq.num_blocks - first):
+            table.append(self.pool._allocate_block().block_id)
+        if first == 0:
+            self.chains[seq.seq_id] = (0, self._chain_start(seq), -1)
+        else:
+            hashes, ids, _ = self.cached_blocks(seq, first)
+            self.chains[seq.seq_id] = (first, hashes[-1], ids[-1])
+
     def allocate_new(self, seq: Sequence) -> None:
         """Fresh blocks for the rest of ``seq``'s tokens."""
         table = self.table(seq)
@@ -190,6 +211,8 @@ class SlidingWindowManager:
         """Register this group's blocks that became full and computed (see BlockManager.hash_blocks)."""
         pool, table = self.pool, self.table(seq)
         done, h, parent_id = self.chains[seq.seq_id]
+        if parent_id is None:   # swapped in without a known name for its prefix: a hit lost, never a wrong one
+            return
         num_full = min(num_computed_tokens // self.block_size, len(table))
         for i in range(done, num_full):
             token_ids = seq.block(i)
@@ -426,8 +449,27 @@ class HybridBlockManager(BlockManager):
                 damaged.append(seq)
         return damaged
 
-    def can_swap_in(self, seq: Sequence) -> bool:
-        raise NotImplementedError("swapping a hybrid model's blocks is not built: use preemption_mode='recompute'")
+    # ------------------------------------------------------------ swapping (chapter 09)
 
-    def allocate_for_swap_in(self, seq: Sequence) -> None:
-        raise NotImplementedError("swapping a hybrid model's blocks is not built: use preemption_mode='recompute'")
+    def computed_blocks(self, seq: Sequence) -> list[int]:
+        """Every group's blocks holding computed K/V that a query still reads, group by group."""
+        return super().computed_blocks(seq) + [b for group in self.groups for b in group.computed_blocks(seq)]
+
+    def _swap_in_blocks(self, seq: Sequence, num_computed_tokens: int) -> int:
+        return seq.num_blocks + sum(seq.num_blocks - g.first_needed_block(num_computed_tokens) for g in self.groups)
+
+    def can_swap_in(self, seq: Sequence, num_computed_tokens: int = 0) -> bool:
+        self._check_block_size(seq)
+        return self._swap_in_blocks(seq, num_computed_tokens) <= len(self.free_block_ids)
+
+    def allocate_for_swap_in(self, seq: Sequence, num_computed_tokens: int = 0) -> None:
+        """Every group's blocks for a swapped-out ``seq``: all of group 0's, and each local group's
+        from its window on (the K/V before it were not copied out)."""
+        needed = self._swap_in_blocks(seq, num_computed_tokens)
+        if needed > len(self.free_block_ids):
+            raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {needed} free blocks over {1 + len(self.groups)} "
+                                    f"KV cache groups to swap in, {_free(len(self.free_block_ids))}")
+        super().allocate_for_swap_in(seq, num_computed_tokens)
+        seq.group_block_tables[:] = [[] for _ in self.groups]
+        for group in self.groups:
+            group.allocate_for_swap_in(seq, num_computed_tokens)

@@ -169,23 +169,23 @@ class Swap(PreemptionPolicy):
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
 
     def preempt(self, seq, block_manager):
-        num_blocks = -(-seq.num_cached_tokens // block_manager.block_size)   # the blocks holding computed K/V
-        if not self.cpu_pool.can_swap_out(num_blocks):
+        device_blocks, num_computed = block_manager.computed_blocks(seq), seq.num_cached_tokens
+        if not self.cpu_pool.can_swap_out(len(device_blocks)):
             block_manager.deallocate(seq)
             return Preemption(SequenceStatus.PREEMPTED, fallback=True)
-        device_blocks, num_computed = seq.block_table[:num_blocks], seq.num_cached_tokens
         block_manager.deallocate(seq)
-        cpu_blocks = self.cpu_pool.swap_out(seq.seq_id, num_blocks, num_computed)
+        cpu_blocks = self.cpu_pool.swap_out(seq.seq_id, len(device_blocks), num_computed)
         # Safe although the freed blocks may be handed out again in this same step: the copies
         # run before the forward pass that writes them.
         return Preemption(SequenceStatus.SWAPPED, list(zip(device_blocks, cpu_blocks)))
 
     def swap_in(self, seq, block_manager):
-        if not block_manager.can_swap_in(seq):
+        num_computed = self.cpu_pool.num_computed_tokens(seq.seq_id)
+        if not block_manager.can_swap_in(seq, num_computed):
             return None
-        block_manager.allocate_for_swap_in(seq)
-        seq.num_cached_tokens = self.cpu_pool.num_computed_tokens(seq.seq_id)
-        return list(zip(self.cpu_pool.block_table(seq.seq_id), seq.block_table))
+        block_manager.allocate_for_swap_in(seq, num_computed)
+        seq.num_cached_tokens = num_computed
+        return list(zip(self.cpu_pool.block_table(seq.seq_id), block_manager.computed_blocks(seq)))
 
     def release(self, seq):
         if seq.seq_id in self.cpu_pool:

@@ -250,10 +250,9 @@ class Scheduler:
         if journal_of(block_manager) is not None:
             raise ValueError("block_manager belongs to another Scheduler already; give each Scheduler its own")
         check_same_step_prefix_hits(same_step_prefix_hits, block_manager.enable_prefix_caching)
-        if isinstance(block_manager, HybridBlockManager) and (self.preemption.name == "swap" or kv_transfer_config):
-            raise ValueError("a hybrid model's KV cache groups cannot be swapped or offloaded yet (chapter 16): "
-                             "use preemption_mode='recompute' and no kv_transfer_config, or "
-                             "disable_hybrid_kv_cache_manager=True")
+        if isinstance(block_manager, HybridBlockManager) and kv_transfer_config:
+            raise ValueError("a hybrid model's KV cache groups cannot be offloaded to a tier yet (chapter 16): "
+                             "pass no kv_transfer_config, or disable_hybrid_kv_cache_manager=True")
         self.block_manager = block_manager
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs

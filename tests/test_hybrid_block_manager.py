@@ -29,13 +29,14 @@ def window_bound(w: int, block_size: int) -> int:
 
 
 def run(seed: int, windows: tuple, block_size: int, num_blocks: int, caching: bool, budget: int,
-        num_requests: int = 6, salted: bool = False) -> dict:
+        num_requests: int = 6, salted: bool = False, swap: bool = False) -> dict:
     """Serve random requests (shared prefixes, n = 1 or 2, readmissions after preemption) through a
     Scheduler on a HybridBlockManager, checking every read against the fake K/V; returns counts."""
     rng = random.Random(seed)
     bm = HybridBlockManager(num_blocks, block_size, windows, enable_prefix_caching=caching, free_queue="linked")
     sched = Scheduler(num_blocks, block_size, block_manager=bm, max_num_batched_tokens=budget,
-                      enable_prefix_caching=caching, max_num_seqs=8)
+                      enable_prefix_caching=caching, max_num_seqs=8,
+                      preemption_mode="swap" if swap else "recompute", num_cpu_blocks=3 * num_blocks // 4 if swap else None)
     base = [rng.randrange(5) for _ in range(12)]
     for _ in range(num_requests):
         prompt = base[:rng.randrange(1, 12)] + [rng.randrange(5) for _ in range(rng.randrange(1, 10))]
@@ -46,14 +47,18 @@ def run(seed: int, windows: tuple, block_size: int, num_blocks: int, caching: bo
         except ValueError as e:   # a request that could never fit in this pool is refused up front
             assert "can never fit" in str(e)
     kv: dict[tuple[int, int], tuple] = {}   # (block, offset) -> (group, prefix) written there
+    cpu: dict[tuple[int, int], tuple] = {}  # the same for the CPU pool of swapping
     windows = (None, *windows)
     counts = dict(reads=0, decodes=0, max_held=[0] * len(windows))
     while not sched.is_finished():
         out = sched.schedule()
-        for src, dst in out.blocks_to_copy:   # copy-on-write, before the step writes
-            for o in range(block_size):
-                if (src, o) in kv:
-                    kv[(dst, o)] = kv[(src, o)]
+        for pairs, source, target in ((out.blocks_to_swap_out, kv, cpu), (out.blocks_to_copy, kv, kv),
+                                      (out.blocks_to_swap_in, cpu, kv)):   # the runner's order, before any write
+            for src, dst in pairs:
+                for o in range(block_size):
+                    target.pop((dst, o), None)
+                    if (src, o) in source:
+                        target[(dst, o)] = source[(src, o)]
         for seq, start, num in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
             tables = [seq.block_table, *seq.group_block_tables]
             assert len(tables) == len(windows)
@@ -79,6 +84,7 @@ def run(seed: int, windows: tuple, block_size: int, num_blocks: int, caching: bo
     assert bm.num_free_blocks == num_blocks and not bm._holders
     counts["hits"] = bm.prefix_cache_stats.hits + bm.prefix_cache_stats.preempted_hits
     counts["preemptions"] = sched.stats.num_preemptions
+    counts["swapped_in"] = sched.stats.num_swapped_in
     return counts
 
 
@@ -101,11 +107,11 @@ def check_pool(bm: HybridBlockManager) -> None:
 @given(seed=st.integers(0, 10**6),
        windows=st.sampled_from([(8,), (5, None), (1,), (13, 13), (4, 6, 9)]),
        block_size=st.sampled_from([1, 2, 4]),
-       num_blocks=st.integers(60, 140),
-       caching=st.booleans(), budget=st.sampled_from([5, 16, 64]), salted=st.booleans())
+       num_blocks=st.integers(30, 140),
+       caching=st.booleans(), budget=st.sampled_from([5, 16, 64]), salted=st.booleans(), swap=st.booleans())
 def test_every_query_reads_its_own_window_and_blocks_come_back(seed, windows, block_size, num_blocks, caching,
-                                                               budget, salted):
-    run(seed, windows, block_size, num_blocks, caching, budget, salted=salted)
+                                                               budget, salted, swap):
+    run(seed, windows, block_size, num_blocks, caching, budget, salted=salted, swap=swap)
 
 
 def test_the_runs_exercise_hits_preemptions_and_the_window():
@@ -116,6 +122,8 @@ def test_the_runs_exercise_hits_preemptions_and_the_window():
     assert sum(t["preemptions"] for t in totals) > 0
     assert sum(t["decodes"] for t in totals) > 100
     assert any(t["max_held"][1] < t["max_held"][0] for t in totals)
+    swapped = [run(seed, (8,), 4, 36, True, 16, num_requests=8, swap=True) for seed in range(12)]
+    assert sum(t["swapped_in"] for t in swapped) > 50 and sum(t["hits"] for t in swapped) > 0
 
 
 def test_a_window_hit_needs_only_the_window_and_is_searched_from_the_right():

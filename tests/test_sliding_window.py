@@ -8,7 +8,7 @@ whole prompts and chunks over a cached prefix; and the engine's greedy tokens on
 *hybrid* Qwen3 (local and global layers interleaved, a window shorter than the prompts and decodes
 that cross it) against Hugging Face's, on its KV cache groups (one full-attention group and three
 local ones that give back the blocks leaving their window; ``HybridBlockManager``), with prefix
-caching, chunked prefill, preemption, mixed steps with same-step hits, n-gram speculation, ``n = 2``
+caching, chunked prefill, preemption by recompute and by swap, mixed steps with same-step hits, n-gram speculation, ``n = 2``
 forks, block size 1, the reference backend -- and with the hybrid manager disabled (every layer's
 cache kept whole), as vLLM runs when its hybrid manager is off.
 """
@@ -126,6 +126,8 @@ CONFIGS = {
     "prefix-caching": dict(block_size=4, num_kvcache_blocks=64, max_num_seqs=3),
     "chunked-prefill": dict(block_size=4, num_kvcache_blocks=64, max_num_batched_tokens=7),
     "preemption": dict(block_size=4, num_kvcache_blocks=44, max_num_seqs=6),
+    "swap-preemption": dict(block_size=4, num_kvcache_blocks=44, max_num_seqs=6, preemption_mode="swap",
+                            num_cpu_blocks=40),
     "block-size-1": dict(block_size=1, num_kvcache_blocks=2000),
     "mixed-same-step-hits": dict(block_size=4, num_kvcache_blocks=64, scheduling="mixed", max_num_batched_tokens=9,
                                  same_step_prefix_hits=True),
@@ -154,8 +156,10 @@ def test_greedy_tokens_on_a_hybrid_model_equal_huggingface(hybrid, prompts_and_e
         assert [[c.token_ids for c in o.outputs] for o in outputs] == [[e] * n for e in expected]
     metrics = llm.get_metrics()
     assert metrics.prefix_cache_hits > 0 or not llm.engine_config.enable_prefix_caching
-    if name == "preemption":
+    if name in ("preemption", "swap-preemption"):
         assert metrics.num_preemptions > 0
+    if name == "swap-preemption":
+        assert llm.scheduler.stats.num_swapped_in > 0
     if name == "ngram-speculation":
         assert metrics.spec_decode_num_draft_tokens > 0
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks   # every block given back

@@ -81,6 +81,9 @@ def _hybrid_model_with_a_small_window(window: int = 6) -> Path:
 CONFIGS["hybrid-mixed-recompute-same_step"] = dict(
     model=_hybrid_model_with_a_small_window(), block_size=4, num_kvcache_blocks=26, max_num_batched_tokens=10,
     scheduling="mixed", same_step_prefix_hits=True)
+CONFIGS["hybrid-prefill_first-swap"] = dict(
+    model=CONFIGS["hybrid-mixed-recompute-same_step"]["model"], block_size=4, num_kvcache_blocks=26,
+    max_num_batched_tokens=16, preemption_mode="swap", num_cpu_blocks=16)
 
 _rng = random.Random(17)
 _SHARED = [_rng.randrange(3, 1000) for _ in range(9)]

@@ -617,8 +617,6 @@ def check_hybrid_options(cfg: EngineConfig, spec) -> None:
     refused = []
     if cfg.tensor_parallel_size > 1:
         refused.append("tensor_parallel_size > 1")
-    if cfg.preemption_mode == "swap":
-        refused.append("preemption_mode='swap'")
     if cfg.kv_transfer_config is not None:
         refused.append("kv_transfer_config")
     if spec is not None and spec.method != "ngram":
