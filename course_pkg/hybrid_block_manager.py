@@ -36,14 +36,11 @@ whole sequence, so nothing leaves it and a hit needs every block.
 from __future__ import annotations
 
 from course_pkg.block_manager import BlockManager, NoFreeBlocksError, _free
+from course_pkg.kv_cache_spec import cdiv
 from course_pkg.sequence import Sequence
 from course_pkg.validation import check_positive_int, is_int
 
 NULL_BLOCK = -1   # a table entry whose block left the window (vLLM's null block)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class SlidingWindowManager:

@@ -111,14 +111,19 @@ def prompts_and_expected(hybrid):
     prompts += [shared + torch.randint(3, 512, (n,), generator=gen).tolist() for n in (2, 11)]
     phrase = torch.randint(3, 512, (3,), generator=gen).tolist()
     prompts += [phrase * 5, [7, 8] + phrase * 4]   # a repeated phrase: n-gram drafts have something to match
+    return prompts, hf_greedy(model, prompts, 14)
+
+
+def hf_greedy(model, prompts, max_new_tokens):
+    """Hugging Face's greedy continuation of each prompt, one at a time."""
     expected = []
     for p in prompts:
         ids = torch.tensor([p])
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=14,
-                                 pad_token_id=0)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, pad_token_id=0)
         expected.append(out[0, len(p):].tolist())
-    return prompts, expected
+    return expected
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -170,13 +175,7 @@ def test_accepted_drafts_on_a_hybrid_model_keep_the_tokens_of_huggingface(hybrid
     itself in 14 tokens): the lookahead slots of every group keep the accepted drafts' K/V."""
     path, model = hybrid
     prompts, _ = prompts_and_expected
-    expected = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40,
-                                 pad_token_id=0)
-        expected.append(out[0, len(p):].tolist())
+    expected = hf_greedy(model, prompts, 40)
     llm = LLM(path, device="cpu", dtype=torch.float32, attention_backend="torch", block_size=4,
               num_kvcache_blocks=96, max_num_seqs=4, speculative_config=NGRAM)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), use_tqdm=False)

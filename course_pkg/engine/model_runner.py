@@ -445,6 +445,7 @@ class ModelRunner:
         context_lens: list[int] = []
         logits_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        all_tables: list[list[list[int]]] = []   # per sequence, its table in every group
         for seq in seqs:
             start = seq.num_cached_tokens
             drafts = draft_token_ids.get(seq.seq_id) if draft_token_ids else None
@@ -458,6 +459,7 @@ class ModelRunner:
                     raise ValueError(f"sequence {seq.seq_id}: cannot compute tokens [{start}, {end}) "
                                      f"of {seq.num_tokens}")
             tables = self._block_tables(seq)
+            all_tables.append(tables)
             if min(len(table) for table in tables) * bs < end:
                 raise ValueError(f"sequence {seq.seq_id}: {len(seq.block_table)} blocks cannot hold "
                                  f"{end} tokens of block_size {bs}")
@@ -491,7 +493,7 @@ class ModelRunner:
         context_lens_t, cu_seqlens_q_t = tensor(context_lens, torch.int32), tensor(cu_seqlens_q, torch.int32)
         metadata = []   # one per KV cache group: its own slots and block tables
         for g, slot_mapping in enumerate(slot_mappings):
-            tables = [self._block_tables(seq)[g] for seq in seqs]
+            tables = [seq_tables[g] for seq_tables in all_tables]
             max_blocks = max(len(table) for table in tables)
             metadata.append(AttentionMetadata(
                 slot_mapping=tensor(slot_mapping, torch.long),
