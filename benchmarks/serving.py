@@ -15,11 +15,15 @@
 3. A burst -- every request at once, as ``generate`` gets them -- gives the server's best
    throughput on the same prompts, and its ratio to offline: the price of HTTP, JSON, the SSE
    stream and the output processor in front of the engine.
+4. Both engine cores (``--engine-core both``, the default): the server as it starts by default, its
+   engine core a thread beside the event loop (one GIL for both), and with
+   ``--engine-core-process``, the engine core in a process of its own as vLLM runs it. Each round
+   measures both, one after the other; the idle one waits on its sockets.
 
 Every request asks for exactly ``--max-tokens`` tokens (``ignore_eos``), greedy, so the server's
 completions can be checked against the offline ones (the script says if any differs). The machine
 is shared and a burst lasts a second or two, so one run proves little: ``--rounds`` repeats the
-whole sequence -- offline, then every rate, then the burst -- and each figure is printed as the
+whole sequence -- offline, then every rate and the burst for each server -- and each figure is printed as the
 median and the range over the rounds, every ratio taken against the offline run of its own round.
 """
 from __future__ import annotations
@@ -51,11 +55,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, args) -> subprocess.Popen:
+def start_server(port: int, args, engine_core: str) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "course_pkg.serve", "--port", str(port),
                              "--num-kvcache-blocks", str(args.num_kvcache_blocks),
-                             "--max-num-seqs", str(args.max_num_seqs)],
+                             "--max-num-seqs", str(args.max_num_seqs)]
+                            + (["--engine-core-process"] if engine_core == "process" else []),
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while True:
@@ -87,6 +92,9 @@ def main() -> None:
     parser.add_argument("--num-kvcache-blocks", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of offline, burst and every rate, alternating (each figure: median [range])")
+    parser.add_argument("--engine-core", choices=["thread", "process", "both"], default="both",
+                        help="the server's engine core: a thread of its process (the default server) or a "
+                             "process of its own (--engine-core-process); both: each server in every round")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -98,40 +106,46 @@ def main() -> None:
 
     llm = LLM(device="cpu", num_kvcache_blocks=args.num_kvcache_blocks, max_num_seqs=args.max_num_seqs)
     llm.generate(prompts[:8], params, use_tqdm=False)   # warm-up
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(port, args)
+    modes = ["thread", "process"] if args.engine_core == "both" else [args.engine_core]
+    servers, urls = {}, {}
     bodies = [{"prompt": p, "max_tokens": k, "temperature": 0.0, "ignore_eos": True, "logprobs": 0} for p in prompts]
     rates = args.rates + [float("inf")]
-    offline_rates, runs = [], {rate: [] for rate in rates}
+    offline_rates, runs = [], {(mode, rate): [] for mode in modes for rate in rates}
     mismatches = 0
     try:
-        asyncio.run(run_load(url, bodies[:8], [0.0] * 8))   # warm-up
+        for mode in modes:
+            port = free_port()
+            urls[mode] = f"http://127.0.0.1:{port}"
+            servers[mode] = start_server(port, args, mode)
+            asyncio.run(run_load(urls[mode], bodies[:8], [0.0] * 8))   # warm-up
         for _ in range(args.rounds):   # the machine's noise falls on every figure of a round alike
             start = time.perf_counter()
             offline = llm.generate(prompts, params, use_tqdm=False)
             offline_rates.append(n / (time.perf_counter() - start))
-            for rate in rates:
-                arrivals = [0.0] * n if rate == float("inf") else poisson_arrivals(n, rate, seed=int(rate))
-                run = asyncio.run(run_load(url, bodies, arrivals, rate=rate))
-                mismatches += sum(r.ok and r.text != o.text for r, o in zip(run.results, offline))
-                runs[rate].append((run, offline_rates[-1]))
+            for mode in modes:   # (the other server idles meanwhile: it waits on its sockets)
+                for rate in rates:
+                    arrivals = [0.0] * n if rate == float("inf") else poisson_arrivals(n, rate, seed=int(rate))
+                    run = asyncio.run(run_load(urls[mode], bodies, arrivals, rate=rate))
+                    mismatches += sum(r.ok and r.text != o.text for r, o in zip(run.results, offline))
+                    runs[mode, rate].append((run, offline_rates[-1]))
     finally:
-        proc.terminate()
-        proc.wait(30)
+        for proc in servers.values():
+            proc.terminate()
+            proc.wait(30)
 
     print(f"\noffline LLM.generate, all {n} at once: {spread(offline_rates)} req/s")
-    print("\nserver (its own process), measured at the client; per figure the median [lowest, highest] of the rounds")
-    print(f"{'offered':>8}  {'served req/s':<26}{'served / offline':<26}{'TTFT p50 ms':<26}{'TTFT p99 ms':<26}"
+    print("\nserver (its own process), measured at the client; per figure the median [lowest, highest] of the rounds;"
+          "\nengine core: 'thread' = a thread of the server's process (the default), 'process' = a process of its own")
+    print(f"{'core':>8}{'offered':>8}  {'served req/s':<26}{'served / offline':<26}{'TTFT p50 ms':<26}{'TTFT p99 ms':<26}"
           f"{'ITL p50 ms':<26}{'ITL p99 ms':<26}{'lag p99 ms':<12}statuses")
-    for rate in rates:
-        rr = runs[rate]
+    for mode, rate in runs:
+        rr = runs[mode, rate]
         label = "burst" if rate == float("inf") else f"{rate:g}/s"
         statuses = {}
         for run, _ in rr:
             for code, count in run.statuses().items():
                 statuses[code] = statuses.get(code, 0) + count
-        print(f"{label:>8}  {spread([r.throughput for r, _ in rr]):<26}{spread([r.throughput / o for r, o in rr]):<26}"
+        print(f"{mode:>8}{label:>8}  {spread([r.throughput for r, _ in rr]):<26}{spread([r.throughput / o for r, o in rr]):<26}"
               f"{spread([1000 * r.ttft(50) for r, _ in rr]):<26}{spread([1000 * r.ttft(99) for r, _ in rr]):<26}"
               f"{spread([1000 * r.itl(50) for r, _ in rr]):<26}{spread([1000 * r.itl(99) for r, _ in rr]):<26}"
               f"{statistics.median(1000 * r.send_lag(99) for r, _ in rr):<12.1f}{statuses}")

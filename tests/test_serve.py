@@ -797,12 +797,13 @@ def test_a_completion_ended_by_a_stop_string_stops_generating_while_its_sibling_
 
     async def main():
         state = await llm.add_request(PROMPTS[3], params, stop=[stop], output_kind=RequestOutputKind.FINAL_ONLY)
+        seq = await asyncio.to_thread(llm.call_in_engine_thread, lambda engine, live: engine.get_sequence(state.engine_id))
         outs = [o async for o in llm.outputs(state)]
-        return state, outs[-1]
+        return seq, outs[-1]
     try:
-        state, out = run_in_fresh_loop(main())
+        seq, out = run_in_fresh_loop(main())
         assert [(c.text, c.finish_reason) for c in out.outputs] == [(cut, "stop"), (second, "length")]
-        stopped = state.seq if state.seq.index == 0 else state.seq.children[0]
+        stopped = seq if seq.index == 0 else seq.children[0]
         assert stopped.finish_reason == "abort"   # the engine stopped it ...
         assert stopped.num_completion_tokens < 34, stopped.num_completion_tokens   # ... soon after the stop
         assert wait_idle(llm)[0] == CONFIG["num_kvcache_blocks"]

@@ -5,24 +5,27 @@ requests one at a time, at any moment, and wants each one's tokens as soon as th
 vLLM v1 puts an *engine core* loop between the two, and ``AsyncLLM`` (vLLM's name) is this
 course's version of it::
 
-    callers (asyncio)               input queue            engine thread (owns the LLMEngine)
+    callers (asyncio)               commands            engine core (owns the LLMEngine)
     generate(prompt) ── add ──────────> [add, abort] ──>   while work exists:
       async for out in ...:                                    add_request / abort_request
         <── RequestOutput ── output processor <── tokens ──     step()   (a transaction)
                 (detokenize, stop strings,                     new tokens of every request
                  DELTA / CUMULATIVE / FINAL_ONLY)
 
-* **One thread owns the engine.** ``LLMEngine`` serves one thread at a time; here every
-  ``add_request``, ``abort_request`` and ``step`` runs on the engine thread, which takes
-  commands from a queue between steps and sleeps on it when nothing is left to do. The core's
+* **One loop owns the engine.** ``LLMEngine`` serves one thread at a time; here every
+  ``add_request``, ``abort_request`` and ``step`` runs in :class:`EngineCore`'s loop, which
+  takes commands between steps and sleeps on them when nothing is left to do. The core's
   semantics are untouched: the loop is a caller of ``add_request``/``step``/``abort_request``.
+  The loop knows requests by their ids only, so it runs either on a thread of this process
+  (the default) or, with ``engine_core_process=True``, in a process of its own, as vLLM runs
+  it (``EngineCoreProc``, linked by ZMQ there, by a pipe here): then the engine's steps and the
+  server's event loop stop taking turns at one GIL.
 * **Tokens out after every step.** ``LLMEngine.step_core`` returns what the step brought each
   request (vLLM's ``EngineCoreOutput``: new token ids and their log-probabilities per
-  completion, finish reasons), and the engine thread sends that to the caller's event loop; the *output processor* on that
-  side turns them into text, finds stop strings and shapes the output as vLLM's
-  ``RequestOutputKind`` asks: ``DELTA`` (what is new), ``CUMULATIVE`` (everything so far) or
-  ``FINAL_ONLY``. (In vLLM the processor runs in the API-server process and the engine core in
-  another, linked by ZMQ; here a thread and ``loop.call_soon_threadsafe`` play those parts.)
+  completion, finish reasons), and the core sends that, one batch per step, to the caller's
+  side; the *output processor* there turns them into text, finds stop strings and shapes the
+  output as vLLM's ``RequestOutputKind`` asks: ``DELTA`` (what is new), ``CUMULATIVE``
+  (everything so far) or ``FINAL_ONLY``.
 * **Cancelling aborts.** Closing the generator (``await gen.aclose()``, what a server does when
   its client disconnects), cancelling the task that iterates it, or the generator being
   garbage-collected after a ``break`` aborts the request: its blocks are freed before the next
@@ -42,10 +45,11 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import logging
+import pickle
 import queue
 import threading
-import time
 import uuid
 from pathlib import Path
 from collections.abc import AsyncIterator, Sequence as SequenceABC
@@ -106,7 +110,7 @@ class _Completion:
 
 
 class RequestState:
-    """One request as both sides see it: the engine thread's ids, the caller's queue and the
+    """One request as the caller's side sees it: the engine's ids, the caller's queue and the
     output processor's per-completion state (vLLM's ``RequestState`` in its output processor)."""
 
     def __init__(self, request_id: str, prompt, sampling_params: SamplingParams, stop: tuple[str, ...],
@@ -120,9 +124,8 @@ class RequestState:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.added = loop.create_future()        # the engine id, or the exception add_request raised
-        # Engine thread only:
+        # From the engine core once it has added the request:
         self.engine_id: int | None = None
-        self.seq = None                          # the request's first Sequence (forks hang from it)
         self.seq_prompt_ids: list[int] = []
         # Output processor only:
         self.completions = [_Completion(i) for i in range(sampling_params.n)]
@@ -132,57 +135,71 @@ class RequestState:
         self.finished = False        # every completion has its finish reason
         self.engine_done = False     # the engine has handed the request out (or aborted it)
 
-    def put(self, item) -> None:
-        """From the engine thread: hand ``item`` (a _Delta or an exception) to the caller's loop."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:   # the caller's event loop is closed: nobody is listening any more
-            pass
-
 
 class AsyncLLM:
-    """An ``LLMEngine`` stepped by a background thread, streamed from asyncio.
+    """An ``LLMEngine`` stepped by an engine core loop, streamed from asyncio.
 
-    ``AsyncLLM(model=None, max_waiting=None, max_step_retries=1, **engine_kwargs)`` builds the
-    engine (the keyword arguments are :class:`EngineConfig`'s) and starts the loop;
-    ``AsyncLLM.from_engine(engine)`` wraps one already built (the loop then owns it: nothing
-    else may call it). ``max_waiting`` (at least 1) bounds the waiting queue: a request is
-    refused with :class:`QueueFullError` (a server's 503) when that many requests already wait
-    *beyond the free running seats* (``max_num_seqs`` less the sequences running) -- a request
-    the next step can admit does not count as waiting.
+    ``AsyncLLM(model=None, max_waiting=None, max_step_retries=1, engine_core_process=False,
+    **engine_kwargs)`` builds the engine (the keyword arguments are :class:`EngineConfig`'s) and
+    starts the loop; ``AsyncLLM.from_engine(engine)`` wraps one already built (the loop then owns
+    it: nothing else may call it). ``max_waiting`` (at least 1) bounds the waiting queue: a
+    request is refused with :class:`QueueFullError` (a server's 503) when that many requests
+    already wait *beyond the free running seats* (``max_num_seqs`` less the sequences running)
+    -- a request the next step can admit does not count as waiting.
+
+    ``engine_core_process=True`` runs the engine core in a process of its own (vLLM's
+    ``EngineCoreProc``) instead of a thread of this one: the engine's steps and this process's
+    event loop then never wait for each other's GIL. The engine is built there, so ``engine=``
+    is refused, ``self.engine`` is None, step listeners (the dashboard) are not available, and
+    ``call_in_engine_thread`` takes only functions that can be pickled (defined at module level).
+    The process is *spawned* (a fresh interpreter), so a script that starts one must do it under
+    ``if __name__ == "__main__":``, as with any spawned process.
+
     Use ``async for out in llm.generate(prompt, params): ...``; call ``shutdown()`` at the end.
     """
 
     def __init__(self, model=None, *, max_waiting: int | None = None, max_step_retries: int = 1,
-                 engine=None, **engine_kwargs):
-        from course_pkg.engine.llm_engine import LLMEngine
+                 engine=None, engine_core_process: bool = False, **engine_kwargs):
         from course_pkg.models import default_model_path, load_tokenizer
         from course_pkg.validation import check_int
 
         if max_waiting is not None:
             check_int("max_waiting", max_waiting, minimum=1)
         check_int("max_step_retries", max_step_retries, minimum=0)
-        self.engine = engine if engine is not None else LLMEngine(model, **engine_kwargs)
+        if not isinstance(engine_core_process, bool):
+            raise TypeError(f"engine_core_process must be a bool, got {engine_core_process!r}")
+        if engine_core_process and engine is not None:
+            raise ValueError("engine_core_process=True builds the engine in its own process: pass the "
+                             "engine's arguments, not engine=")
         self.max_waiting = max_waiting
         self.max_step_retries = max_step_retries
-        cfg_model = self.engine.engine_config.model
-        self.model_path = default_model_path() if cfg_model is None else cfg_model
-        self.model_name = "course-tiny" if cfg_model is None else Path(cfg_model).name   # as the metrics label it
-        # The output processor's own tokenizer: the engine thread may be decoding with its own
-        # at the same moment (vLLM's API server also holds a tokenizer of its own).
-        self.tokenizer = load_tokenizer(self.model_path)
-        self.max_model_len = self.engine.max_model_len
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._states: dict[int, RequestState] = {}      # engine id -> state (engine thread only)
-        self._by_request_id: dict[str, RequestState] = {}
-        self._dashboards: list = []                      # callbacks fed a snapshot after each step
-        self._faults = 0
-        self.num_step_faults = 0
+        self.engine_core_process = engine_core_process
+        self._routes: dict[str, RequestState] = {}       # request id -> state, until the core is done with it
+        self._by_request_id: dict[str, RequestState] = {}   # the requests a caller may still abort
+        self._calls: dict[int, queue.SimpleQueue] = {}   # call id -> where its answer goes
+        self._call_ids = itertools.count()
         self.errored: BaseException | None = None        # why the loop died, if it did
         self._stopping = False
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="course-engine-core", daemon=True)
-        self._thread.start()
+        if engine_core_process:
+            self.engine = None
+            self._client = _ProcessClient(self, model, engine_kwargs)
+            info = self._client.info
+        else:
+            from course_pkg.engine.llm_engine import LLMEngine
+            self.engine = engine if engine is not None else LLMEngine(model, **engine_kwargs)
+            self._client = _ThreadClient(self)
+            info = _engine_info(self.engine)
+        cfg_model = info["model"]
+        self.model_path = default_model_path() if cfg_model is None else cfg_model
+        self.model_name = "course-tiny" if cfg_model is None else Path(cfg_model).name   # as the metrics label it
+        self.max_model_len, self.vocab_size, self.max_num_seqs = info["max_model_len"], info["vocab_size"], \
+            info["max_num_seqs"]
+        # The output processor's own tokenizer: the engine may be decoding with its own at the same
+        # moment (vLLM's API server also holds a tokenizer of its own).
+        self.tokenizer = load_tokenizer(self.model_path)
+        self._commands = self._client.commands   # what the caller's side sends the core: put((command, arg))
+        self._client.start()
 
     @classmethod
     def from_engine(cls, engine, **kwargs) -> "AsyncLLM":
@@ -192,12 +209,12 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        return self._client.is_alive() and not self._stopping
 
     async def add_request(self, prompt, sampling_params: SamplingParams | None = None,
                           request_id: str | None = None, *, stop: SequenceABC[str] | str | None = None,
                           output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> RequestState:
-        """Queue a request on the engine thread; returns once it is queued or refused.
+        """Queue a request on the engine core; returns once it is queued or refused.
 
         Raises what ``LLMEngine.add_request`` raises for a bad request (``ValueError``,
         ``TypeError``: nothing is queued), :class:`QueueFullError` when the waiting queue is
@@ -212,16 +229,17 @@ class AsyncLLM:
         request_id = f"req-{uuid.uuid4().hex}" if request_id is None else request_id
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        if request_id in self._by_request_id:
+        if request_id in self._by_request_id or request_id in self._routes:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if not self.is_running:
             raise self._dead()
         state = RequestState(request_id, prompt, sampling_params, stop, output_kind, asyncio.get_running_loop())
         self._by_request_id[request_id] = state
+        self._routes[request_id] = state
         self._commands.put(("add", state))
-        if self._stopping or not self._thread.is_alive():
+        if self._stopping or not self._client.is_alive():
             # The loop may have stopped between the check above and the put, after its last
-            # look at the queue: nobody would answer this add. (If it did see it, the answer
+            # look at its commands: nobody would answer this add. (If it did see it, the answer
             # it sends later finds the future done and is dropped.)
             _set_exception(state.added, self._dead())
         try:
@@ -229,7 +247,9 @@ class AsyncLLM:
         except BaseException:
             self._by_request_id.pop(request_id, None)
             refused = state.added.done() and not state.added.cancelled() and state.added.exception() is not None
-            if not refused:   # cancelled while queued: this abort runs after the add, and undoes it
+            if refused:
+                self._routes.pop(request_id, None)
+            else:   # cancelled while queued: this abort runs after the add, and undoes it
                 self._commands.put(("abort", state))
             raise
         return state
@@ -280,30 +300,43 @@ class AsyncLLM:
             self._commands.put(("abort", state))
 
     def call_in_engine_thread(self, fn, timeout: float = 30.0):
-        """``fn(engine, live_sequences)`` run on the engine thread between steps; returns its
+        """``fn(engine, live_sequences)`` run by the engine core between steps; returns its
         result (blocks the calling thread). ``live_sequences`` maps a name to each live
-        completion's Sequence (what the dashboard draws)."""
-        result: queue.SimpleQueue = queue.SimpleQueue()
+        completion's Sequence (what the dashboard draws). With ``engine_core_process=True`` it
+        runs in the engine's process: ``fn`` and its result must pickle."""
         if not self.is_running:
             raise self._dead()
-        self._commands.put(("call", (fn, result)))
-        ok, value = result.get(timeout=timeout)
+        result: queue.SimpleQueue = queue.SimpleQueue()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = result
+        try:
+            self._commands.put(("call", (call_id, fn)))
+            ok, value = result.get(timeout=timeout)
+        finally:
+            self._calls.pop(call_id, None)
         if not ok:
             raise value
         return value
 
     def call_in_engine_thread_nowait(self, fn) -> None:
-        """``fn(engine, live_sequences)`` queued for the engine thread; its result is dropped."""
-        self._commands.put(("call", (fn, None)))
+        """``fn(engine, live_sequences)`` queued for the engine core; its result is dropped."""
+        self._commands.put(("call", (None, fn)))
 
     def add_step_listener(self, callback) -> None:
         """``callback(engine, live_sequences)`` runs on the engine thread now and after every
         step, add and abort (the dashboard's feed). It must be quick and must not raise; one
-        that raises is removed."""
+        that raises is removed. Not with ``engine_core_process=True`` (RuntimeError)."""
+        self._client.check_in_process("step listeners (the dashboard)")
         self._commands.put(("listen", callback))
 
     def remove_step_listener(self, callback) -> None:
         self._commands.put(("unlisten", callback))
+
+    def metrics_text(self) -> bytes:
+        """The engine's Prometheus metrics in the text format (``GET /metrics``); from any thread."""
+        if self.engine is not None:   # (the registry reads the engine's counters; no step needed)
+            return _metrics_text(self.engine, {})
+        return self.call_in_engine_thread(_metrics_text)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the loop; requests in flight are aborted and their callers get EngineDeadError.
@@ -313,16 +346,14 @@ class AsyncLLM:
         its workers from under the forward pass); call ``shutdown()`` again to finish.
         """
         self._stopping = True      # from now on add_request refuses
-        if self._thread.is_alive():
-            self._commands.put(("stop", None))
-            self._thread.join(timeout)
-        if self._thread.is_alive():
+        if not self._client.stop(timeout):
             raise TimeoutError(f"the engine loop did not stop within {timeout} s (a step is still "
                                f"running); the engine was left open: call shutdown() again")
-        self._fail_all(self._dead())   # anything queued after the loop's own last drain
+        self._fail_routes(self._dead())   # anything queued after the loop's own last look
         if not self._closed:
             self._closed = True
-            self.engine.close()
+            if self.engine is not None:   # (an engine core process closes its engine itself)
+                self.engine.close()
 
     def __enter__(self):
         return self
@@ -331,10 +362,41 @@ class AsyncLLM:
         self.shutdown()
 
     def _dead(self) -> EngineDeadError:
-        if self.errored is not None:
-            return EngineDeadError(f"the engine loop died ({type(self.errored).__name__}: {self.errored}); "
-                                   f"requests in flight were aborted")
-        return EngineDeadError("the engine was shut down; requests in flight were aborted")
+        return _dead_error(self.errored)
+
+    @property
+    def num_step_faults(self) -> int:
+        """Steps that raised (and were rolled back) so far."""
+        self._client.check_in_process("the fault count")
+        return self._client.core.num_step_faults
+
+    # ------------------------------------------------------------ what the core sends back
+
+    def _deliver(self, messages: list[tuple]) -> None:
+        """Messages from the engine core (its thread, or the thread reading its process's pipe):
+        hand each to the event loop of the request it is for, one wake-up per loop per batch."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for kind, key, payload in messages:
+            if kind == "result":   # a call_in_engine_thread's answer: (ok, value)
+                answer = self._calls.get(key)
+                if answer is not None:
+                    answer.put(payload)
+                continue
+            state = self._routes.get(key)
+            if state is None:
+                continue
+            if kind != "added" and (kind != "delta" or payload.finished):
+                self._routes.pop(key, None)   # the core is done with it
+            by_loop.setdefault(state.loop, []).append((state, kind, payload))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_apply_all, items)
+            except RuntimeError:   # that event loop is closed: nobody is listening any more
+                pass
+
+    def _fail_routes(self, error: BaseException) -> None:
+        """The core has stopped: every request it had not finished with gets ``error``."""
+        self._deliver([("error", rid, error) for rid in list(self._routes)])
 
     # ------------------------------------------------------------ the output processor
 
@@ -409,9 +471,59 @@ class AsyncLLM:
                              metrics=state.metrics if state.metrics is not None else RequestMetrics(0.0),
                              finished=final)
 
-    # ------------------------------------------------------------ the engine thread
 
-    def _run(self) -> None:
+def _apply_all(items: list[tuple]) -> None:
+    """The caller's event loop: what ``_deliver`` sent its requests."""
+    for state, kind, payload in items:
+        if kind == "added":          # payload: (engine id, the prompt's token ids)
+            state.engine_id, state.seq_prompt_ids = payload
+            _set_result(state.added, state.engine_id)
+        elif kind == "refused":      # payload: the exception add_request raised
+            _set_exception(state.added, payload)
+        elif not state.added.done():   # an error before the add was answered: the add fails
+            _set_exception(state.added, payload)
+        else:                        # a _Delta, or the exception that ends the request
+            state.queue.put_nowait(payload)
+
+
+# ---------------------------------------------------------------- the engine core
+
+class _EngineRequest:
+    """A request as the engine core sees it."""
+
+    __slots__ = ("request_id", "engine_id", "seq", "num_prompt_tokens")
+
+    def __init__(self, request_id: str, engine_id: int, seq):
+        self.request_id, self.engine_id, self.seq = request_id, engine_id, seq
+        self.num_prompt_tokens = len(seq.prompt_token_ids)
+
+
+class EngineCore:
+    """The engine side of ``AsyncLLM`` (vLLM's ``EngineCore`` busy loop): it owns the
+    ``LLMEngine``, runs the commands that arrived, steps while work exists, and sends what each
+    step brought every request. It knows requests by their ids only, so the same loop runs on a
+    thread of the server's process or in a process of its own.
+
+    ``commands.get(block)`` returns ``(command, arg)`` (raises ``queue.Empty`` when not
+    blocking and none is there); ``emit(messages)`` sends a list of ``(kind, key, payload)``:
+    ``("added", request id, (engine id, prompt token ids))``, ``("refused", request id,
+    exception)``, ``("delta", request id, _Delta)``, ``("error", request id, exception)``,
+    ``("result", call id, (ok, value))``.
+    """
+
+    def __init__(self, engine, commands, emit, *, max_waiting: int | None, max_step_retries: int):
+        self.engine = engine
+        self.commands, self.emit = commands, emit
+        self.max_waiting, self.max_step_retries = max_waiting, max_step_retries
+        self._requests: dict[int, _EngineRequest] = {}          # engine id -> request
+        self._by_request_id: dict[str, _EngineRequest] = {}
+        self._dashboards: list = []                              # callbacks fed after each step
+        self._faults = 0
+        self.num_step_faults = 0
+        self.errored: BaseException | None = None
+
+    def run(self) -> None:
+        """The loop, until told to stop; then every request left gets an EngineDeadError."""
         try:
             while True:
                 block = not self.engine.has_unfinished_requests()
@@ -423,14 +535,13 @@ class AsyncLLM:
             logger.exception("the engine loop died")
             self.errored = e
         finally:
-            self._stopping = True
-            self._fail_all(self._dead())
+            self._fail_all(_dead_error(self.errored))
 
     def _drain(self, block: bool) -> bool:
         """Run the queued commands; wait for one if ``block``. False once told to stop."""
         while True:
             try:
-                command, arg = self._commands.get(block=block)
+                command, arg = self.commands.get(block=block)
             except queue.Empty:
                 return True
             block = False
@@ -438,67 +549,76 @@ class AsyncLLM:
                 return False
             getattr(self, f"_do_{command}")(arg)
 
-    def _do_add(self, state: RequestState) -> None:
+    def _do_add(self, arg) -> None:
+        request_id, prompt, sampling_params = arg
         engine = self.engine
         try:
             if self.max_waiting is not None and self.num_waiting_beyond_seats() >= self.max_waiting:
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests wait beyond "
                                      f"the free seats): try again later")
-            rid = engine.add_request(state.engine_prompt, state.sampling_params)
+            rid = engine.add_request(prompt, sampling_params)
         except Exception as e:
-            state.loop.call_soon_threadsafe(_set_exception, state.added, e)
+            self.emit([("refused", request_id, e)])
             return
-        state.engine_id, state.seq = rid, engine.get_sequence(rid)
-        state.seq_prompt_ids = list(state.seq.prompt_token_ids)
-        self._states[rid] = state
-        state.loop.call_soon_threadsafe(_set_result, state.added, rid)
+        request = _EngineRequest(request_id, rid, engine.get_sequence(rid))
+        self._requests[rid] = self._by_request_id[request_id] = request
+        self.emit([("added", request_id, (rid, list(request.seq.prompt_token_ids)))])
         self._publish()
 
     def num_waiting_beyond_seats(self) -> int:
-        """Engine thread: the waiting sequences the next step cannot seat even if blocks allow
+        """The waiting sequences the next step cannot seat even if blocks allow
         (``max_num_seqs`` less those running) -- what admission control counts."""
         sched = self.engine.scheduler
         free_seats = max(0, sched.max_num_seqs - len(sched.running))
         return max(0, len(sched.waiting) - free_seats)
 
-    def _do_abort(self, state: RequestState) -> None:
-        if state.engine_id is None or self._states.pop(state.engine_id, None) is None:
-            return   # never queued, or already handed out
+    def _forget(self, request: _EngineRequest) -> None:
+        self._requests.pop(request.engine_id, None)
+        self._by_request_id.pop(request.request_id, None)
+
+    def _do_abort(self, request_id: str) -> None:
+        request = self._by_request_id.get(request_id)
+        if request is None:
+            return   # never added, or already handed out
+        self._forget(request)
         try:
-            out = self.engine.abort_request(state.engine_id)
+            out = self.engine.abort_request(request.engine_id)
         except KeyError:
             out = None
         # The caller's generate() (if it still listens) ends with finish_reason "abort". Every token
         # went out with the step that made it: only the finish reasons are new.
         if out is None:
-            state.put(_Delta({}, {}, {}, len(state.seq_prompt_ids), 0, None, True))
+            delta = _Delta({}, {}, {}, request.num_prompt_tokens, 0, None, True)
         else:
-            state.put(_Delta({}, {}, {c.index: c.finish_reason for c in out.outputs}, len(state.seq_prompt_ids),
-                             out.num_cached_tokens, _copy_metrics(out.metrics), True))
+            delta = _Delta({}, {}, {c.index: c.finish_reason for c in out.outputs}, request.num_prompt_tokens,
+                           out.num_cached_tokens, _copy_metrics(out.metrics), True)
+        self.emit([("delta", request_id, delta)])
         self._publish()
 
     def _do_stop_completions(self, arg) -> None:
         """Abort some completions of a request (they ended on stop strings); the rest go on."""
-        state, indices = arg
-        if state.engine_id is None or state.engine_id not in self._states:
-            return   # never queued, or already handed out
+        request_id, indices = arg
+        request = self._by_request_id.get(request_id)
+        if request is None:
+            return   # never added, or already handed out
         sched = self.engine.scheduler
-        for seq in [state.seq] + list(state.seq.children):
+        seqs = [request.seq] + list(request.seq.children)
+        for seq in seqs:
             if seq.index in indices and sched.holds(seq):
                 sched.abort(seq)   # frees its blocks (those shared with a sibling stay)
-        if all(seq.is_finished for seq in [state.seq] + list(state.seq.children)):
-            self._do_abort(state)   # nothing of it runs any more: hand it out now
+        if all(seq.is_finished for seq in seqs):
+            self._do_abort(request_id)   # nothing of it runs any more: hand it out now
         else:
             self._publish()
 
     def _do_call(self, arg) -> None:
-        fn, result = arg
+        call_id, fn = arg
         try:
             value = (True, fn(self.engine, self.live_sequences()))
         except BaseException as e:   # (a KeyboardInterrupt or SystemExit of fn's is fn's caller's, not the loop's)
             value = (False, e)
-        if result is not None:
-            result.put(value)
+        if call_id is not None:
+            self.emit([("result", call_id, value)])
 
     def _do_listen(self, callback) -> None:
         self._dashboards.append(callback)
@@ -515,24 +635,19 @@ class AsyncLLM:
             self._on_step_fault(e)
             return
         self._faults = 0
-        deltas = []
+        messages = []
         for c in core:   # what the step brought each request: nothing to diff
-            state = self._states.get(c.request_id)
-            if state is None:
+            request = self._requests.get(c.request_id)
+            if request is None:
                 continue
             if c.finished:
-                del self._states[c.request_id]
-            deltas.append((state, _Delta(c.new_token_ids, c.new_logprobs, c.finish_reasons, len(state.seq_prompt_ids),
-                                         c.num_cached_tokens, c.metrics, finished=c.finished)))
+                self._forget(request)
+            messages.append(("delta", request.request_id,
+                             _Delta(c.new_token_ids, c.new_logprobs, c.finish_reasons, request.num_prompt_tokens,
+                                    c.num_cached_tokens, c.metrics, finished=c.finished)))
         self._publish()   # first the listeners (the dashboard) see the step, then the callers get its tokens
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for state, delta in deltas:   # one wake-up of each caller's loop per step, not one per request
-            by_loop.setdefault(state.loop, []).append((state.queue, delta))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:   # that event loop is closed: nobody is listening any more
-                pass
+        if messages:
+            self.emit(messages)   # one message batch per step, not one per request
 
     def _on_step_fault(self, error: Exception) -> None:
         """A step raised and was rolled back. Retry it; if it keeps failing, fail its requests."""
@@ -549,38 +664,47 @@ class AsyncLLM:
             victims = {seq.request_id for seq in preview.seqs}
             sched.unschedule(preview)
         except Exception:
-            victims = set(self._states)   # the scheduler itself fails: every request is involved
+            victims = set(self._requests)   # the scheduler itself fails: every request is involved
         if not victims:
-            victims = set(self._states)
+            victims = set(self._requests)
         reason = EngineGenerateError(f"an engine step failed {self.max_step_retries + 1} times with this request "
                                      f"in it ({type(error).__name__}: {error}); the request was aborted")
+        messages = []
         for rid in sorted(victims):
-            state = self._states.pop(rid, None)
+            request = self._requests.get(rid)
             try:
                 self.engine.abort_request(rid)
             except KeyError:
                 pass
-            if state is not None:
-                state.put(reason)
+            if request is not None:
+                self._forget(request)
+                messages.append(("error", request.request_id, reason))
+        self.emit(messages)
         self._publish()
 
     def _fail_all(self, error: BaseException) -> None:
-        for rid, state in list(self._states.items()):
+        messages = []
+        for rid, request in list(self._requests.items()):
             try:
                 self.engine.abort_request(rid)
             except Exception:
                 pass
-            state.put(error)
-        self._states.clear()
+            messages.append(("error", request.request_id, error))
+        self._requests.clear()
+        self._by_request_id.clear()
         while True:   # requests queued after the stop command: refuse them
             try:
-                command, arg = self._commands.get_nowait()
-            except queue.Empty:
+                command, arg = self.commands.get(block=False)
+            except (queue.Empty, EOFError, OSError):
                 break
             if command == "add":
-                arg.loop.call_soon_threadsafe(_set_exception, arg.added, error)
-            elif command == "call" and arg[1] is not None:
-                arg[1].put((False, error))
+                messages.append(("refused", arg[0], error))
+            elif command == "call" and arg[0] is not None:
+                messages.append(("result", arg[0], (False, error)))
+        try:
+            self.emit(messages)
+        except Exception:   # (an engine core process whose parent has gone: nobody to tell)
+            pass
 
     # ------------------------------------------------------------ the dashboard's feed
 
@@ -596,17 +720,239 @@ class AsyncLLM:
                 self._dashboards.remove(callback)
 
     def live_sequences(self) -> dict:
-        """Engine thread: request id (``/j`` for completion j > 0) -> its live Sequence."""
+        """Request id (``/j`` for completion j > 0) -> each live completion's Sequence."""
         names = {}
-        for state in self._states.values():
-            for seq in [state.seq] + list(state.seq.children):
-                names[state.request_id + (f"/{seq.index}" if seq.index else "")] = seq
+        for request in self._requests.values():
+            for seq in [request.seq] + list(request.seq.children):
+                names[request.request_id + (f"/{seq.index}" if seq.index else "")] = seq
         return names
 
 
-def _put_all(items: list[tuple[asyncio.Queue, _Delta]]) -> None:
-    for q, delta in items:
-        q.put_nowait(delta)
+def _dead_error(errored: BaseException | None) -> EngineDeadError:
+    if errored is not None:
+        return EngineDeadError(f"the engine loop died ({type(errored).__name__}: {errored}); "
+                               f"requests in flight were aborted")
+    return EngineDeadError("the engine was shut down; requests in flight were aborted")
+
+
+def _engine_info(engine) -> dict:
+    """What the caller's side needs to know of an engine it may not hold."""
+    return {"model": engine.engine_config.model, "max_model_len": engine.max_model_len,
+            "vocab_size": engine.config.vocab_size, "max_num_seqs": engine.scheduler.max_num_seqs}
+
+
+def _metrics_text(engine, live) -> bytes:
+    from prometheus_client import generate_latest
+    return generate_latest(engine.metrics_registry)
+
+
+# ---------------------------------------------------------------- the two ways to run the core
+
+class _Commands:
+    """The caller's side of the core's input: ``put((command, arg))`` with RequestStates, sent on
+    as what the core takes (request ids: a RequestState holds an event loop and futures)."""
+
+    def __init__(self, send):
+        self._send = send
+
+    def put(self, item) -> None:
+        command, arg = item
+        if command == "add":
+            arg = (arg.request_id, arg.engine_prompt, arg.sampling_params)
+        elif command == "abort":
+            arg = arg.request_id
+        elif command == "stop_completions":
+            arg = (arg[0].request_id, list(arg[1]))
+        self._send((command, arg))
+
+
+class _ThreadClient:
+    """The engine core on a thread of this process (the default)."""
+
+    def __init__(self, llm: AsyncLLM):
+        self.llm = llm
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.commands = _Commands(self._queue.put)
+        self.core = EngineCore(llm.engine, self._queue, llm._deliver, max_waiting=llm.max_waiting,
+                               max_step_retries=llm.max_step_retries)
+        self._thread = threading.Thread(target=self._run, name="course-engine-core", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.core.run()
+        finally:
+            self.llm.errored = self.core.errored
+            self.llm._stopping = True
+            self.llm._fail_routes(self.llm._dead())
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def check_in_process(self, what: str) -> None:
+        pass
+
+    def stop(self, timeout: float) -> bool:
+        if self._thread.is_alive():
+            self._queue.put(("stop", None))
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+class _PipeCommands:
+    """The core's input in an engine core process: its end of the pipe, read as a queue. When
+    the server's process has gone (the pipe ends), the next read says "stop"; after that a
+    blocking read says it again and any other finds nothing."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.ended = False
+
+    def get(self, block: bool = True):
+        if not self.ended:
+            try:
+                if block or self.conn.poll():
+                    return self.conn.recv()
+                raise queue.Empty
+            except (EOFError, OSError):
+                self.ended = True
+                return ("stop", None)
+        if block:
+            return ("stop", None)
+        raise queue.Empty
+
+
+def _engine_core_process(conn, model, engine_kwargs: dict, max_waiting, max_step_retries, num_threads) -> None:
+    """The engine core process: build the engine, say what it is, run the loop, close the engine."""
+    import gc
+    import signal as _signal_module
+
+    import torch
+
+    from course_pkg.engine.llm_engine import LLMEngine
+
+    torch.set_num_threads(num_threads)   # as many as the server's process was given
+    _signal_module.signal(_signal_module.SIGINT, _signal_module.SIG_IGN)   # Ctrl-C is the server's to handle
+    try:
+        engine = LLMEngine(model, **engine_kwargs)
+    except BaseException as e:
+        conn.send(("failed", _picklable(e)))
+        return
+    conn.send(("ready", _engine_info(engine)))
+    gc.collect()   # (as the server's process does after start-up: see serve.__main__.freeze_gc_heap)
+    gc.freeze()
+    core = EngineCore(engine, _PipeCommands(conn), lambda messages: conn.send(_picklable_messages(messages)),
+                      max_waiting=max_waiting, max_step_retries=max_step_retries)
+    core.run()
+    engine.close()
+    conn.close()
+
+
+def _picklable(error: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def _picklable_messages(messages: list[tuple]) -> list[tuple]:
+    """Exceptions and call results that would not pickle are sent as a RuntimeError saying what they were."""
+    try:
+        pickle.dumps(messages)
+        return messages
+    except Exception:
+        out = []
+        for kind, key, payload in messages:
+            if kind == "result":
+                try:
+                    pickle.dumps(payload)
+                except Exception as e:
+                    payload = (False, TypeError(f"the call's result does not pickle ({e}): with "
+                                                f"engine_core_process=True it must"))
+            elif isinstance(payload, BaseException):
+                payload = _picklable(payload)
+            out.append((kind, key, payload))
+        return out
+
+
+class _ProcessClient:
+    """The engine core in a process of its own (vLLM's ``EngineCoreProc``): commands go down a
+    pipe; a thread of this process reads what comes back and hands it to ``_deliver``."""
+
+    def __init__(self, llm: AsyncLLM, model, engine_kwargs: dict):
+        import multiprocessing
+
+        import torch
+
+        self.llm = llm
+        ctx = multiprocessing.get_context("spawn")   # (a fresh interpreter: no forked threads or torch state)
+        self._conn, child = ctx.Pipe()
+        self._lock = threading.Lock()   # sends come from the event loop and from any thread that aborts
+        self.commands = _Commands(self._send)
+        self._process = ctx.Process(target=_engine_core_process, name="course-engine-core", daemon=True,
+                                    args=(child, model, engine_kwargs, llm.max_waiting, llm.max_step_retries,
+                                          torch.get_num_threads()))
+        self._process.start()
+        child.close()   # (so that the pipe reports the child's end when it exits)
+        try:
+            kind, payload = self._conn.recv()
+        except EOFError:
+            self._process.join()
+            raise RuntimeError(f"the engine core process exited while starting (exit code "
+                               f"{self._process.exitcode}; its error is printed above -- a script that starts "
+                               f"one must do it under `if __name__ == '__main__':`)") from None
+        if kind == "failed":
+            self._process.join()
+            raise payload
+        self.info = payload
+        self._reader = threading.Thread(target=self._read, name="course-engine-core-output", daemon=True)
+
+    def start(self) -> None:
+        self._reader.start()
+
+    def _send(self, item) -> None:
+        command, arg = item
+        if command == "call":
+            try:
+                pickle.dumps(arg[1])
+            except Exception as e:
+                raise TypeError(f"with engine_core_process=True the function runs in the engine's process "
+                                f"and must pickle (define it at module level): {e}") from None
+        with self._lock:
+            try:
+                self._conn.send(item)
+            except (OSError, ValueError):   # the core has gone; the reader fails what is left
+                pass
+
+    def _read(self) -> None:
+        try:
+            while True:
+                try:
+                    messages = self._conn.recv()
+                except (EOFError, OSError):   # the core's process has closed its end: it is exiting
+                    break
+                self.llm._deliver(messages)
+        finally:
+            self._process.join(5)   # (only this thread joins it)
+            if not self.llm._stopping and self.llm.errored is None:
+                self.llm.errored = RuntimeError(f"the engine core process exited (exit code {self._process.exitcode})")
+            self.llm._stopping = True
+            self.llm._fail_routes(self.llm._dead())
+
+    def is_alive(self) -> bool:
+        return self._reader.is_alive()   # (it ends when the core's process has gone)
+
+    def check_in_process(self, what: str) -> None:
+        raise RuntimeError(f"{what} run on the engine's thread: not available with engine_core_process=True")
+
+    def stop(self, timeout: float) -> bool:
+        if self._reader.is_alive():
+            self._send(("stop", None))
+            self._reader.join(timeout)   # it ends once the core's process has closed the pipe
+        return not self._reader.is_alive()
 
 
 def _copy_metrics(metrics: RequestMetrics) -> RequestMetrics:

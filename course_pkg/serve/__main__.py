@@ -31,6 +31,9 @@ def main(argv=None) -> None:
                         help="refuse a request (503) when this many already wait beyond the free seats "
                              "(at least 1; default: no bound)")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--engine-core-process", action="store_true",
+                        help="run the engine core in a process of its own, as vLLM does (faster under load: the "
+                             "engine and the HTTP side stop sharing one GIL; the dashboard is then off)")
     args = parser.parse_args(argv)
 
     import uvicorn
@@ -40,7 +43,7 @@ def main(argv=None) -> None:
 
     llm = AsyncLLM(args.model, max_waiting=args.max_waiting, num_kvcache_blocks=args.num_kvcache_blocks,
                    block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                   enable_prefix_caching=not args.no_prefix_caching)
+                   enable_prefix_caching=not args.no_prefix_caching, engine_core_process=args.engine_core_process)
     app = build_app(llm, args.served_model_name)
     freeze_gc_heap()
     print(f"serving {app.state.model_name!r} on http://{args.host}:{args.port}  "

@@ -157,8 +157,9 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-        return Response(generate_latest(llm.engine.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+        from prometheus_client import CONTENT_TYPE_LATEST
+        text = await asyncio.to_thread(llm.metrics_text)   # (from an engine core process: one call there)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
@@ -184,7 +185,7 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None) -> FastAPI:
         if not prompt:
             raise APIError("the prompt is empty: a request needs at least one token", param="prompt")
         try:
-            return check_token_ids("prompt", prompt, llm.engine.config.vocab_size)
+            return check_token_ids("prompt", prompt, llm.vocab_size)
         except ValueError as e:
             raise APIError(str(e), param="prompt") from None
 
@@ -202,7 +203,7 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None) -> FastAPI:
                            f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the prompt, {max_tokens} "
                            f"in the completion): reduce the prompt or max_tokens", param="max_tokens",
                            code="context_length_exceeded")
-        n, max_num_seqs = req.n or 1, llm.engine.scheduler.max_num_seqs
+        n, max_num_seqs = req.n or 1, llm.max_num_seqs
         if n > max_num_seqs:
             raise APIError(f"n={n} completions cannot run at once: this server runs at most {max_num_seqs} "
                            f"sequences (max_num_seqs); use n <= {max_num_seqs}", param="n")

@@ -15,7 +15,7 @@ import json
 import threading
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException
 from fastapi.responses import HTMLResponse, StreamingResponse
 
 from course_pkg.viz.snapshot import short_hash, take_snapshot
@@ -111,6 +111,10 @@ def add_dashboard(app: FastAPI, llm) -> None:
 
     @app.get("/dashboard/events")
     async def dashboard_events():
+        if llm.engine is None:
+            raise HTTPException(501, "the dashboard reads the engine between steps on its thread: it needs the "
+                                     "engine core in the server's process (start the server without "
+                                     "--engine-core-process)")
         page = _Page()
         hub.join(page)
 
