@@ -47,8 +47,10 @@ import asyncio
 import enum
 import itertools
 import logging
+import os
 import pickle
 import queue
+import sys
 import threading
 import uuid
 from pathlib import Path
@@ -553,7 +555,7 @@ class EngineCore:
         request_id, prompt, sampling_params = arg
         engine = self.engine
         try:
-            if self.max_waiting is not None and self.num_waiting_beyond_seats() >= self.max_waiting:
+            if self.max_waiting is not None and num_waiting_beyond_seats(engine) >= self.max_waiting:
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests wait beyond "
                                      f"the free seats): try again later")
             rid = engine.add_request(prompt, sampling_params)
@@ -564,13 +566,6 @@ class EngineCore:
         self._requests[rid] = self._by_request_id[request_id] = request
         self.emit([("added", request_id, (rid, list(request.seq.prompt_token_ids)))])
         self._publish()
-
-    def num_waiting_beyond_seats(self) -> int:
-        """The waiting sequences the next step cannot seat even if blocks allow
-        (``max_num_seqs`` less those running) -- what admission control counts."""
-        sched = self.engine.scheduler
-        free_seats = max(0, sched.max_num_seqs - len(sched.running))
-        return max(0, len(sched.waiting) - free_seats)
 
     def _forget(self, request: _EngineRequest) -> None:
         self._requests.pop(request.engine_id, None)
@@ -728,6 +723,14 @@ class EngineCore:
         return names
 
 
+def num_waiting_beyond_seats(engine) -> int:
+    """The waiting sequences the engine's next step cannot seat even if blocks allow
+    (``max_num_seqs`` less those running) -- what admission control counts."""
+    sched = engine.scheduler
+    free_seats = max(0, sched.max_num_seqs - len(sched.running))
+    return max(0, len(sched.waiting) - free_seats)
+
+
 def _dead_error(errored: BaseException | None) -> EngineDeadError:
     if errored is not None:
         return EngineDeadError(f"the engine loop died ({type(errored).__name__}: {errored}); "
@@ -848,6 +851,12 @@ def _engine_core_process(conn, model, engine_kwargs: dict, max_waiting, max_step
     core.run()
     engine.close()
     conn.close()
+    # Done: leave without the interpreter's clean-up, which has nothing left to save here and
+    # would print the native extensions' complaints about objects alive at exit (Triton's
+    # nanobind) into the server's log -- or the notebook cell -- that shares this stderr.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _picklable(error: BaseException) -> BaseException:
