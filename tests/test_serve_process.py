@@ -145,6 +145,8 @@ def test_bad_requests_and_what_needs_the_engine_thread_are_refused_clearly(serve
         llm.call_in_engine_thread(lambda engine, live: 1)
     with pytest.raises(ValueError, match="engine="):
         AsyncLLM(engine=object(), engine_core_process=True)
+    with pytest.raises(ValueError, match="num_kvcache_blocks"):   # raised in the engine's process, re-raised here
+        AsyncLLM(device="cpu", num_kvcache_blocks=-1, engine_core_process=True)
     assert llm.is_running
 
 

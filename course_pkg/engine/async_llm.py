@@ -839,24 +839,26 @@ def _engine_core_process(conn, model, engine_kwargs: dict, max_waiting, max_step
     torch.set_num_threads(num_threads)   # as many as the server's process was given
     _signal_module.signal(_signal_module.SIGINT, _signal_module.SIG_IGN)   # Ctrl-C is the server's to handle
     try:
-        engine = LLMEngine(model, **engine_kwargs)
-    except BaseException as e:
-        conn.send(("failed", _picklable(e)))
-        return
-    conn.send(("ready", _engine_info(engine)))
-    gc.collect()   # (as the server's process does after start-up: see serve.__main__.freeze_gc_heap)
-    gc.freeze()
-    core = EngineCore(engine, _PipeCommands(conn), lambda messages: conn.send(_picklable_messages(messages)),
-                      max_waiting=max_waiting, max_step_retries=max_step_retries)
-    core.run()
-    engine.close()
-    conn.close()
-    # Done: leave without the interpreter's clean-up, which has nothing left to save here and
-    # would print the native extensions' complaints about objects alive at exit (Triton's
-    # nanobind) into the server's log -- or the notebook cell -- that shares this stderr.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        try:
+            engine = LLMEngine(model, **engine_kwargs)
+        except BaseException as e:
+            conn.send(("failed", _picklable(e)))
+            return
+        conn.send(("ready", _engine_info(engine)))
+        gc.collect()   # (as the server's process does after start-up: see serve.__main__.freeze_gc_heap)
+        gc.freeze()
+        core = EngineCore(engine, _PipeCommands(conn), lambda messages: conn.send(_picklable_messages(messages)),
+                          max_waiting=max_waiting, max_step_retries=max_step_retries)
+        core.run()
+        engine.close()
+        conn.close()
+    finally:
+        # Leave without the interpreter's clean-up: it has nothing left to save here, and it
+        # would print the native extensions' complaints about objects alive at exit (Triton's
+        # nanobind) into the server's log -- or the notebook cell -- that shares this stderr.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _picklable(error: BaseException) -> BaseException:
