@@ -877,3 +877,20 @@ def test_tokenizing_a_prompt_leaves_the_event_loop_serving(served, client):
         del tokenizer.encode
     pending.join(30)
     assert not pending.is_alive()
+
+
+def test_a_request_id_is_free_again_as_soon_as_its_stream_is_closed(served):
+    """``aclose()`` on ``generate`` aborts at once, so the id may be used again right away,
+    while the engine core has yet to run the abort (the core knows requests by a key of its own)."""
+    llm, _ = served
+
+    async def main():
+        gen = llm.generate("Blocks", SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True),
+                           request_id="A", output_kind=RequestOutputKind.DELTA)
+        await anext(gen)
+        await gen.aclose()
+        return [out async for out in llm.generate("Blocks", SamplingParams(temperature=0.0, max_tokens=4),
+                                                  request_id="A")][-1]
+    last = run_in_fresh_loop(main())
+    assert last.finished and len(last.outputs[0].token_ids) == 4
+    assert wait_idle(llm)[0] == CONFIG["num_kvcache_blocks"]

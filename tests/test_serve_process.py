@@ -191,3 +191,40 @@ def test_shutdown_and_a_dead_engine_process_fail_requests_in_flight_clearly(one_
             assert not llm.is_running
         finally:
             llm.shutdown()
+
+
+def test_a_call_the_engine_process_cannot_unpickle_fails_alone(served, monkeypatch):
+    """A function defined in a notebook or a script lives in ``__main__``: it pickles here by
+    name, and the spawned engine process has no such name. The call fails; the engine serves on."""
+    import sys
+
+    def orphan(engine, live):
+        return 1
+    orphan.__module__, orphan.__qualname__ = "__main__", "course_test_orphan"
+    monkeypatch.setattr(sys.modules["__main__"], "course_test_orphan", orphan, raising=False)
+    llm, server = served
+    with pytest.raises(AttributeError, match="course_test_orphan"):
+        llm.call_in_engine_thread(orphan, timeout=10)
+    assert llm.is_running
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Blocks", "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_request_id_is_free_again_at_once_and_an_unpicklable_prompt_is_refused(served):
+    llm, _ = served
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+
+    async def main():
+        gen = llm.generate("Blocks", params, request_id="A", output_kind=RequestOutputKind.DELTA)
+        await anext(gen)
+        await gen.aclose()   # the abort is on its way to the engine process
+        again = [out async for out in llm.generate("Blocks", SamplingParams(temperature=0.0, max_tokens=4),
+                                                   request_id="A")]
+        with pytest.raises(Exception, match="pickle"):
+            await llm.add_request({"prompt": "Blocks", "cache_salt": lambda: 1}, request_id="B")
+        after = [out async for out in llm.generate("Blocks", SamplingParams(max_tokens=2), request_id="B")]
+        return again[-1], after[-1]
+    again, after = run_in_fresh_loop(main())
+    assert again.finished and len(again.outputs[0].token_ids) == 4
+    assert after.finished and len(after.outputs[0].token_ids) == 2
+    assert wait_idle(llm)[0] == CONFIG["num_kvcache_blocks"]

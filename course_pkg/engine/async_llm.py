@@ -85,7 +85,7 @@ class QueueFullError(RuntimeError):
 
 @dataclass
 class _Delta:
-    """What the engine thread sends after a step, per request (vLLM's ``EngineCoreOutput``)."""
+    """What the engine core sends after a step, per request (vLLM's ``EngineCoreOutput``)."""
 
     new_token_ids: dict[int, list[int]]          # completion index -> tokens sampled since last time
     new_logprobs: dict[int, list[float]]
@@ -126,6 +126,7 @@ class RequestState:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.added = loop.create_future()        # the engine id, or the exception add_request raised
+        self.key: int | None = None              # the engine core's name for it (unique, unlike request ids)
         # From the engine core once it has added the request:
         self.engine_id: int | None = None
         self.seq_prompt_ids: list[int] = []
@@ -176,7 +177,8 @@ class AsyncLLM:
         self.max_waiting = max_waiting
         self.max_step_retries = max_step_retries
         self.engine_core_process = engine_core_process
-        self._routes: dict[str, RequestState] = {}       # request id -> state, until the core is done with it
+        self._routes: dict[int, RequestState] = {}       # key -> state, until the core is done with it
+        self._keys = itertools.count()
         self._by_request_id: dict[str, RequestState] = {}   # the requests a caller may still abort
         self._calls: dict[int, queue.SimpleQueue] = {}   # call id -> where its answer goes
         self._call_ids = itertools.count()
@@ -231,14 +233,20 @@ class AsyncLLM:
         request_id = f"req-{uuid.uuid4().hex}" if request_id is None else request_id
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        if request_id in self._by_request_id or request_id in self._routes:
+        if request_id in self._by_request_id:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if not self.is_running:
             raise self._dead()
         state = RequestState(request_id, prompt, sampling_params, stop, output_kind, asyncio.get_running_loop())
+        state.key = next(self._keys)   # (an id may come back while the core still finishes its abort)
         self._by_request_id[request_id] = state
-        self._routes[request_id] = state
-        self._commands.put(("add", state))
+        self._routes[state.key] = state
+        try:
+            self._commands.put(("add", state))
+        except BaseException:   # (an engine core process: a prompt that does not pickle)
+            self._by_request_id.pop(request_id, None)
+            self._routes.pop(state.key, None)
+            raise
         if self._stopping or not self._client.is_alive():
             # The loop may have stopped between the check above and the put, after its last
             # look at its commands: nobody would answer this add. (If it did see it, the answer
@@ -250,7 +258,7 @@ class AsyncLLM:
             self._by_request_id.pop(request_id, None)
             refused = state.added.done() and not state.added.cancelled() and state.added.exception() is not None
             if refused:
-                self._routes.pop(request_id, None)
+                self._routes.pop(state.key, None)
             else:   # cancelled while queued: this abort runs after the add, and undoes it
                 self._commands.put(("abort", state))
             raise
@@ -271,8 +279,12 @@ class AsyncLLM:
         :class:`EngineDeadError` if the engine shut down meanwhile.
         """
         state = await self.add_request(prompt, sampling_params, request_id, stop=stop, output_kind=output_kind)
-        async for out in self.outputs(state):
-            yield out
+        outputs = self.outputs(state)
+        try:
+            async for out in outputs:
+                yield out
+        finally:   # closing this generator closes that one now: the abort is sent at once
+            await outputs.aclose()
 
     async def outputs(self, state: RequestState) -> AsyncIterator[RequestOutput]:
         """The outputs of a request queued by ``add_request`` (the second half of ``generate``)."""
@@ -305,7 +317,8 @@ class AsyncLLM:
         """``fn(engine, live_sequences)`` run by the engine core between steps; returns its
         result (blocks the calling thread). ``live_sequences`` maps a name to each live
         completion's Sequence (what the dashboard draws). With ``engine_core_process=True`` it
-        runs in the engine's process: ``fn`` and its result must pickle."""
+        runs in the engine's process: ``fn`` and its result must pickle, and ``fn`` must be
+        importable there (defined in a module, not in a notebook or a script's ``__main__``)."""
         if not self.is_running:
             raise self._dead()
         result: queue.SimpleQueue = queue.SimpleQueue()
@@ -325,10 +338,10 @@ class AsyncLLM:
         self._commands.put(("call", (None, fn)))
 
     def add_step_listener(self, callback) -> None:
-        """``callback(engine, live_sequences)`` runs on the engine thread now and after every
+        """``callback(engine, live_sequences)`` runs in the engine core now and after every
         step, add and abort (the dashboard's feed). It must be quick and must not raise; one
         that raises is removed. Not with ``engine_core_process=True`` (RuntimeError)."""
-        self._client.check_in_process("step listeners (the dashboard)")
+        self._client.require_thread_core("step listeners (the dashboard)")
         self._commands.put(("listen", callback))
 
     def remove_step_listener(self, callback) -> None:
@@ -369,7 +382,7 @@ class AsyncLLM:
     @property
     def num_step_faults(self) -> int:
         """Steps that raised (and were rolled back) so far."""
-        self._client.check_in_process("the fault count")
+        self._client.require_thread_core("the fault count")
         return self._client.core.num_step_faults
 
     # ------------------------------------------------------------ what the core sends back
@@ -384,6 +397,9 @@ class AsyncLLM:
                 if answer is not None:
                     answer.put(payload)
                 continue
+            if kind == "died":     # the core's loop itself failed (payload: the exception)
+                self.errored = self.errored or payload
+                continue
             state = self._routes.get(key)
             if state is None:
                 continue
@@ -397,13 +413,22 @@ class AsyncLLM:
                 pass
 
     def _fail_routes(self, error: BaseException) -> None:
-        """The core has stopped: every request it had not finished with gets ``error``."""
-        self._deliver([("error", rid, error) for rid in list(self._routes)])
+        """The core has stopped: every request it had not finished with, and every call waiting
+        for an answer, gets ``error``."""
+        self._deliver([("error", key, error) for key in list(self._routes)]
+                      + [("result", call_id, (False, error)) for call_id in list(self._calls)])
+
+    def _core_stopped(self, errored: BaseException | None) -> None:
+        """The engine core's loop has ended (its thread returned, or its process closed the pipe)."""
+        if errored is not None and self.errored is None:
+            self.errored = errored
+        self._stopping = True
+        self._fail_routes(self._dead())
 
     # ------------------------------------------------------------ the output processor
 
     def _process(self, state: RequestState, d: _Delta) -> RequestOutput | None:
-        """Tokens from the engine thread -> text, stop strings, the output kind. Caller's thread."""
+        """Tokens from the engine core -> text, stop strings, the output kind. Caller's thread."""
         state.prompt_token_ids = state.prompt_token_ids or list(state.seq_prompt_ids)
         state.num_cached_tokens = d.num_cached_tokens
         state.metrics = d.metrics or state.metrics
@@ -493,24 +518,36 @@ def _apply_all(items: list[tuple]) -> None:
 class _EngineRequest:
     """A request as the engine core sees it."""
 
-    __slots__ = ("request_id", "engine_id", "seq", "num_prompt_tokens")
+    __slots__ = ("key", "request_id", "engine_id", "seq", "num_prompt_tokens")
 
-    def __init__(self, request_id: str, engine_id: int, seq):
-        self.request_id, self.engine_id, self.seq = request_id, engine_id, seq
+    def __init__(self, key: int, request_id: str, engine_id: int, seq):
+        self.key, self.request_id, self.engine_id, self.seq = key, request_id, engine_id, seq
         self.num_prompt_tokens = len(seq.prompt_token_ids)
 
 
 class EngineCore:
     """The engine side of ``AsyncLLM`` (vLLM's ``EngineCore`` busy loop): it owns the
     ``LLMEngine``, runs the commands that arrived, steps while work exists, and sends what each
-    step brought every request. It knows requests by their ids only, so the same loop runs on a
-    thread of the server's process or in a process of its own.
+    step brought every request. It knows a request by its *key* (a number the caller's side
+    gives it) only, so the same loop runs on a thread of the server's process or in a process
+    of its own.
 
-    ``commands.get(block)`` returns ``(command, arg)`` (raises ``queue.Empty`` when not
-    blocking and none is there); ``emit(messages)`` sends a list of ``(kind, key, payload)``:
-    ``("added", request id, (engine id, prompt token ids))``, ``("refused", request id,
-    exception)``, ``("delta", request id, _Delta)``, ``("error", request id, exception)``,
-    ``("result", call id, (ok, value))``.
+    ``commands.get(block)`` returns one ``(command, arg)`` (raises ``queue.Empty`` when not
+    blocking and none is there):
+
+    ==================  ==========================================================
+    ``add``             ``(key, request id, prompt, SamplingParams)``
+    ``abort``           ``key``
+    ``stop_completions`` ``(key, completion indices)``
+    ``call``            ``(call id or None, fn)``; ``fn(engine, live_sequences)``, or
+                        its pickle from another process
+    ``listen``          ``callback`` (a thread core only), ``unlisten`` likewise
+    ``stop``            ``None``
+    ==================  ==========================================================
+
+    ``emit(messages)`` sends a list of ``(kind, key, payload)``: ``("added", key, (engine id,
+    prompt token ids))``, ``("refused", key, exception)``, ``("delta", key, _Delta)``,
+    ``("error", key, exception)``, ``("result", call id, (ok, value))``.
     """
 
     def __init__(self, engine, commands, emit, *, max_waiting: int | None, max_step_retries: int):
@@ -518,7 +555,7 @@ class EngineCore:
         self.commands, self.emit = commands, emit
         self.max_waiting, self.max_step_retries = max_waiting, max_step_retries
         self._requests: dict[int, _EngineRequest] = {}          # engine id -> request
-        self._by_request_id: dict[str, _EngineRequest] = {}
+        self._by_key: dict[int, _EngineRequest] = {}
         self._dashboards: list = []                              # callbacks fed after each step
         self._faults = 0
         self.num_step_faults = 0
@@ -552,7 +589,7 @@ class EngineCore:
             getattr(self, f"_do_{command}")(arg)
 
     def _do_add(self, arg) -> None:
-        request_id, prompt, sampling_params = arg
+        key, request_id, prompt, sampling_params = arg
         engine = self.engine
         try:
             if self.max_waiting is not None and num_waiting_beyond_seats(engine) >= self.max_waiting:
@@ -560,19 +597,19 @@ class EngineCore:
                                      f"the free seats): try again later")
             rid = engine.add_request(prompt, sampling_params)
         except Exception as e:
-            self.emit([("refused", request_id, e)])
+            self.emit([("refused", key, e)])
             return
-        request = _EngineRequest(request_id, rid, engine.get_sequence(rid))
-        self._requests[rid] = self._by_request_id[request_id] = request
-        self.emit([("added", request_id, (rid, list(request.seq.prompt_token_ids)))])
+        request = _EngineRequest(key, request_id, rid, engine.get_sequence(rid))
+        self._requests[rid] = self._by_key[key] = request
+        self.emit([("added", key, (rid, list(request.seq.prompt_token_ids)))])
         self._publish()
 
     def _forget(self, request: _EngineRequest) -> None:
         self._requests.pop(request.engine_id, None)
-        self._by_request_id.pop(request.request_id, None)
+        self._by_key.pop(request.key, None)
 
-    def _do_abort(self, request_id: str) -> None:
-        request = self._by_request_id.get(request_id)
+    def _do_abort(self, key: int) -> None:
+        request = self._by_key.get(key)
         if request is None:
             return   # never added, or already handed out
         self._forget(request)
@@ -587,13 +624,13 @@ class EngineCore:
         else:
             delta = _Delta({}, {}, {c.index: c.finish_reason for c in out.outputs}, request.num_prompt_tokens,
                            out.num_cached_tokens, _copy_metrics(out.metrics), True)
-        self.emit([("delta", request_id, delta)])
+        self.emit([("delta", key, delta)])
         self._publish()
 
     def _do_stop_completions(self, arg) -> None:
         """Abort some completions of a request (they ended on stop strings); the rest go on."""
-        request_id, indices = arg
-        request = self._by_request_id.get(request_id)
+        key, indices = arg
+        request = self._by_key.get(key)
         if request is None:
             return   # never added, or already handed out
         sched = self.engine.scheduler
@@ -602,13 +639,15 @@ class EngineCore:
             if seq.index in indices and sched.holds(seq):
                 sched.abort(seq)   # frees its blocks (those shared with a sibling stay)
         if all(seq.is_finished for seq in seqs):
-            self._do_abort(request_id)   # nothing of it runs any more: hand it out now
+            self._do_abort(key)   # nothing of it runs any more: hand it out now
         else:
             self._publish()
 
     def _do_call(self, arg) -> None:
         call_id, fn = arg
         try:
+            if isinstance(fn, bytes):   # from another process: a function that cannot be found here fails the call
+                fn = pickle.loads(fn)
             value = (True, fn(self.engine, self.live_sequences()))
         except BaseException as e:   # (a KeyboardInterrupt or SystemExit of fn's is fn's caller's, not the loop's)
             value = (False, e)
@@ -637,7 +676,7 @@ class EngineCore:
                 continue
             if c.finished:
                 self._forget(request)
-            messages.append(("delta", request.request_id,
+            messages.append(("delta", request.key,
                              _Delta(c.new_token_ids, c.new_logprobs, c.finish_reasons, request.num_prompt_tokens,
                                     c.num_cached_tokens, c.metrics, finished=c.finished)))
         self._publish()   # first the listeners (the dashboard) see the step, then the callers get its tokens
@@ -673,7 +712,7 @@ class EngineCore:
                 pass
             if request is not None:
                 self._forget(request)
-                messages.append(("error", request.request_id, reason))
+                messages.append(("error", request.key, reason))
         self.emit(messages)
         self._publish()
 
@@ -684,13 +723,13 @@ class EngineCore:
                 self.engine.abort_request(rid)
             except Exception:
                 pass
-            messages.append(("error", request.request_id, error))
+            messages.append(("error", request.key, error))
         self._requests.clear()
-        self._by_request_id.clear()
+        self._by_key.clear()
         while True:   # requests queued after the stop command: refuse them
             try:
                 command, arg = self.commands.get(block=False)
-            except (queue.Empty, EOFError, OSError):
+            except queue.Empty:
                 break
             if command == "add":
                 messages.append(("refused", arg[0], error))
@@ -751,9 +790,10 @@ def _metrics_text(engine, live) -> bytes:
 
 # ---------------------------------------------------------------- the two ways to run the core
 
-class _Commands:
-    """The caller's side of the core's input: ``put((command, arg))`` with RequestStates, sent on
-    as what the core takes (request ids: a RequestState holds an event loop and futures)."""
+class _CommandEncoder:
+    """The caller's side of the core's input: ``put((command, arg))`` with RequestStates (what
+    the output processor and the lab write), sent on in the form the core takes (keys: a
+    RequestState holds an event loop and futures, which stay on this side)."""
 
     def __init__(self, send):
         self._send = send
@@ -761,11 +801,11 @@ class _Commands:
     def put(self, item) -> None:
         command, arg = item
         if command == "add":
-            arg = (arg.request_id, arg.engine_prompt, arg.sampling_params)
+            arg = (arg.key, arg.request_id, arg.engine_prompt, arg.sampling_params)
         elif command == "abort":
-            arg = arg.request_id
+            arg = arg.key
         elif command == "stop_completions":
-            arg = (arg[0].request_id, list(arg[1]))
+            arg = (arg[0].key, list(arg[1]))
         self._send((command, arg))
 
 
@@ -775,7 +815,7 @@ class _ThreadClient:
     def __init__(self, llm: AsyncLLM):
         self.llm = llm
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.commands = _Commands(self._queue.put)
+        self.commands = _CommandEncoder(self._queue.put)
         self.core = EngineCore(llm.engine, self._queue, llm._deliver, max_waiting=llm.max_waiting,
                                max_step_retries=llm.max_step_retries)
         self._thread = threading.Thread(target=self._run, name="course-engine-core", daemon=True)
@@ -787,14 +827,12 @@ class _ThreadClient:
         try:
             self.core.run()
         finally:
-            self.llm.errored = self.core.errored
-            self.llm._stopping = True
-            self.llm._fail_routes(self.llm._dead())
+            self.llm._core_stopped(self.core.errored)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    def check_in_process(self, what: str) -> None:
+    def require_thread_core(self, what: str) -> None:
         pass
 
     def stop(self, timeout: float) -> bool:
@@ -804,7 +842,7 @@ class _ThreadClient:
         return not self._thread.is_alive()
 
 
-class _PipeCommands:
+class _CommandPipe:
     """The core's input in an engine core process: its end of the pipe, read as a queue. When
     the server's process has gone (the pipe ends), the next read says "stop"; after that a
     blocking read says it again and any other finds nothing."""
@@ -814,14 +852,18 @@ class _PipeCommands:
         self.ended = False
 
     def get(self, block: bool = True):
-        if not self.ended:
+        while not self.ended:
             try:
-                if block or self.conn.poll():
-                    return self.conn.recv()
-                raise queue.Empty
+                if not block and not self.conn.poll():
+                    raise queue.Empty
+                return self.conn.recv()
             except (EOFError, OSError):
                 self.ended = True
                 return ("stop", None)
+            except queue.Empty:
+                raise
+            except Exception:   # (a command that cannot be unpickled here: the caller's side checks for this)
+                logger.exception("a command from the server's process could not be read; it is dropped")
         if block:
             return ("stop", None)
         raise queue.Empty
@@ -847,9 +889,11 @@ def _engine_core_process(conn, model, engine_kwargs: dict, max_waiting, max_step
         conn.send(("ready", _engine_info(engine)))
         gc.collect()   # (as the server's process does after start-up: see serve.__main__.freeze_gc_heap)
         gc.freeze()
-        core = EngineCore(engine, _PipeCommands(conn), lambda messages: conn.send(_picklable_messages(messages)),
+        core = EngineCore(engine, _CommandPipe(conn), lambda messages: conn.send(_picklable_messages(messages)),
                           max_waiting=max_waiting, max_step_retries=max_step_retries)
         core.run()
+        if core.errored is not None:   # (its requests were told already; this is for what comes after)
+            conn.send([("died", None, _picklable(core.errored))])
         engine.close()
         conn.close()
     finally:
@@ -862,6 +906,7 @@ def _engine_core_process(conn, model, engine_kwargs: dict, max_waiting, max_step
 
 
 def _picklable(error: BaseException) -> BaseException:
+    """``error``, or a RuntimeError saying what it was if it would not come out of a pickle whole."""
     try:
         pickle.loads(pickle.dumps(error))
         return error
@@ -870,23 +915,20 @@ def _picklable(error: BaseException) -> BaseException:
 
 
 def _picklable_messages(messages: list[tuple]) -> list[tuple]:
-    """Exceptions and call results that would not pickle are sent as a RuntimeError saying what they were."""
-    try:
-        pickle.dumps(messages)
-        return messages
-    except Exception:
-        out = []
-        for kind, key, payload in messages:
-            if kind == "result":
-                try:
-                    pickle.dumps(payload)
-                except Exception as e:
-                    payload = (False, TypeError(f"the call's result does not pickle ({e}): with "
-                                                f"engine_core_process=True it must"))
-            elif isinstance(payload, BaseException):
-                payload = _picklable(payload)
-            out.append((kind, key, payload))
-        return out
+    """The messages, each exception and call result replaced by an error saying what it was if
+    it would not survive the pipe (a delta is plain data: it always does)."""
+    out = []
+    for kind, key, payload in messages:
+        if kind == "result":
+            try:
+                pickle.loads(pickle.dumps(payload))
+            except Exception as e:
+                payload = (False, TypeError(f"the call's result does not pickle ({type(e).__name__}: {e}); with "
+                                            f"engine_core_process=True it must"))
+        elif isinstance(payload, BaseException):
+            payload = _picklable(payload)
+        out.append((kind, key, payload))
+    return out
 
 
 class _ProcessClient:
@@ -902,7 +944,7 @@ class _ProcessClient:
         ctx = multiprocessing.get_context("spawn")   # (a fresh interpreter: no forked threads or torch state)
         self._conn, child = ctx.Pipe()
         self._lock = threading.Lock()   # sends come from the event loop and from any thread that aborts
-        self.commands = _Commands(self._send)
+        self.commands = _CommandEncoder(self._send)
         self._process = ctx.Process(target=_engine_core_process, name="course-engine-core", daemon=True,
                                     args=(child, model, engine_kwargs, llm.max_waiting, llm.max_step_retries,
                                           torch.get_num_threads()))
@@ -925,17 +967,19 @@ class _ProcessClient:
         self._reader.start()
 
     def _send(self, item) -> None:
+        """Pickle and send one command. Raises (and sends nothing) if it does not pickle; a
+        function to call travels as its pickle, unpickled by the core inside the call."""
         command, arg = item
         if command == "call":
             try:
-                pickle.dumps(arg[1])
+                item = (command, (arg[0], pickle.dumps(arg[1])))
             except Exception as e:
                 raise TypeError(f"with engine_core_process=True the function runs in the engine's process "
-                                f"and must pickle (define it at module level): {e}") from None
+                                f"and must pickle (define it in a module): {e}") from None
         with self._lock:
             try:
                 self._conn.send(item)
-            except (OSError, ValueError):   # the core has gone; the reader fails what is left
+            except OSError:   # the core has gone; the reader fails what is left
                 pass
 
     def _read(self) -> None:
@@ -945,24 +989,29 @@ class _ProcessClient:
                     messages = self._conn.recv()
                 except (EOFError, OSError):   # the core's process has closed its end: it is exiting
                     break
+                except Exception:   # (the core sends only what survives a pickle; never seen)
+                    logger.exception("a message from the engine core could not be read; it is dropped")
+                    continue
                 self.llm._deliver(messages)
         finally:
             self._process.join(5)   # (only this thread joins it)
-            if not self.llm._stopping and self.llm.errored is None:
-                self.llm.errored = RuntimeError(f"the engine core process exited (exit code {self._process.exitcode})")
-            self.llm._stopping = True
-            self.llm._fail_routes(self.llm._dead())
+            self.llm._core_stopped(None if self.llm._stopping else
+                                   RuntimeError(f"the engine core process exited (exit code {self._process.exitcode})"))
 
     def is_alive(self) -> bool:
         return self._reader.is_alive()   # (it ends when the core's process has gone)
 
-    def check_in_process(self, what: str) -> None:
-        raise RuntimeError(f"{what} run on the engine's thread: not available with engine_core_process=True")
+    def require_thread_core(self, what: str) -> None:
+        raise RuntimeError(f"{what}: needs the engine core on a thread of this process, not available with "
+                           f"engine_core_process=True")
 
     def stop(self, timeout: float) -> bool:
         if self._reader.is_alive():
             self._send(("stop", None))
             self._reader.join(timeout)   # it ends once the core's process has closed the pipe
+        if not self._reader.is_alive() and self._process.is_alive():   # (a process that outlived its pipe)
+            self._process.terminate()
+            self._process.join(timeout)
         return not self._reader.is_alive()
 
 

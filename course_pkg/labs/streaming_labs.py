@@ -1,7 +1,7 @@
 """Chapter 13 lab: the output processor of ``AsyncLLM`` -- the stub and the mutants. A module of
 its own because it imports the engine package (and so torch), which the block labs do not need.
 
-The output processor runs on the caller's side. After each step the engine thread sends every
+The output processor runs on the caller's side. After each step the engine core sends every
 request a ``_Delta``: per completion, the token ids the step appended and their log-probabilities,
 the finish reasons the engine decided, and whether the engine is done with the request. The
 processor turns that into text, ends a completion at a stop string (and tells the engine to stop
@@ -17,8 +17,8 @@ class StudentAsyncLLM(AsyncLLM):
     """Lab ``output_processor``: assemble a streamed completion from the engine's deltas.
 
     What you may use: ``self.tokenizer`` (``decode(ids, skip_special_tokens=True)``; None when
-    the model has none: then every ``text`` is None), ``self._commands`` (the engine thread's
-    input queue: ``put(("stop_completions", (state, [indices])))`` stops those completions in
+    the model has none: then every ``text`` is None), ``self._commands`` (what goes to the
+    engine core: ``put(("stop_completions", (state, [indices])))`` stops those completions in
     the engine), and, if you like, the module's ``_find_stop(text, stops, start)``.
     A ``RequestState`` holds ``request_id``, ``prompt``, ``seq_prompt_ids``, ``stop`` (a tuple
     of strings), ``output_kind``, ``completions`` (one ``_Completion`` per index) and the fields

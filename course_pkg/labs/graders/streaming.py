@@ -1,6 +1,6 @@
 """Chapter 13 grader: the output processor, ``AsyncLLM._process`` and ``_make_output``.
 
-No engine runs: the grader plays the engine thread. It makes the ``_Delta`` objects a step would
+No engine runs: the grader plays the engine core. It makes the ``_Delta`` objects a step would
 send -- token ids cut from real text by the tiny model's tokenizer (multi-byte characters
 included), log-probabilities, finish reasons, an abort -- and feeds them to the processor under
 test and to the package's, each with a fresh copy. The hand scenarios check the contract by what
