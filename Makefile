@@ -68,7 +68,7 @@ chromium:
 # Chapter 13: the tiny model behind an OpenAI-compatible API (PORT=8000, MODEL= a checkpoint folder).
 PORT ?= 8000
 serve: $(STAMP)
-	$(BIN)/python -m course_pkg.serve --port $(PORT) $(if $(MODEL),--model $(MODEL),)
+	$(BIN)/python -m course_pkg.serve --port $(PORT) $(if $(MODEL),--model $(MODEL),) $(if $(ENGINE_CORE_PROCESS),--engine-core-process,)
 
 slides: $(STAMP)
 	$(BIN)/python tools/build_slides.py --out build/slides

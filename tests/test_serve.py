@@ -577,14 +577,16 @@ def test_load_client_percentiles_and_arrivals_against_numpy():
 
 # ------------------------------------------------------------------ the command line
 
-def test_python_m_course_pkg_serve_starts_and_answers():
+@pytest.mark.parametrize("flags", [[], ["--engine-core-process"]], ids=["thread-core", "process-core"])
+def test_python_m_course_pkg_serve_starts_and_answers(flags):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "course_pkg.serve", "--port", str(port),
-                             "--num-kvcache-blocks", "32"], cwd=ROOT, env=env,
+                             "--num-kvcache-blocks", "32", *flags], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    children = []
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -599,9 +601,22 @@ def test_python_m_course_pkg_serve_starts_and_answers():
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         got = client.completions.create(model=NAME, prompt="Blocks", max_tokens=3, extra_body={"ignore_eos": True})
         assert got.usage.completion_tokens == 3
+        children = [int(pid) for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
     finally:
         proc.terminate()
         proc.wait(30)
+    # Stopping the server stops its engine core process too: nothing is left running.
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() and "zombie" not in _proc_state(pid) for pid in children):
+        assert time.monotonic() < deadline, f"processes {children} outlived the server"
+        time.sleep(0.1)
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
+    except (FileNotFoundError, IndexError):
+        return "zombie"
 
 
 # ------------------------------------------------------------------ review fixes (admission, races, shapes)
