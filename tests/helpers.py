@@ -1,6 +1,8 @@
-"""Shared test helpers: admitting a sequence, a full copy of a BlockManager's state, its invariants."""
+"""Shared test helpers: admitting a sequence, a full copy of a BlockManager's state, its
+invariants, an event loop in a thread of its own."""
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import sys
 from pathlib import Path
@@ -174,3 +176,25 @@ def check_tier(connector) -> None:
         assert set(connector.disk_names) == set(on_disk)
         ready = [h for h, b in on_disk.items() if b.ref_cnt == 0]
         assert all(connector.disk.file(h).exists() for h in ready), "a block the disk tier holds has no file"
+
+
+def run_in_fresh_loop(coro):
+    """``asyncio.run(coro)`` in a thread of its own. The browser tests' Playwright (session-scoped,
+    on the same xdist worker when the scheduling puts them there) keeps an event loop marked as
+    running in the main thread, and ``asyncio.run`` refuses to start beside one."""
+    import threading
+
+    result = {}
+
+    def target():
+        try:
+            result["value"] = asyncio.run(coro)
+        except BaseException as e:       # handed to the test's thread, as asyncio.run would raise it
+            result["error"] = e
+
+    thread = threading.Thread(target=target, name="test-event-loop")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")

@@ -29,28 +29,8 @@ from course_pkg.engine.async_llm import AsyncLLM, EngineDeadError, EngineGenerat
 from course_pkg.models import default_model_path
 from course_pkg.sampling_params import SamplingParams
 from course_pkg.serve import ServerThread, build_app
+from tests.helpers import run_in_fresh_loop
 
-
-def run_in_fresh_loop(coro):
-    """``asyncio.run(coro)`` in a thread of its own. The browser tests' Playwright (session-scoped,
-    on the same xdist worker when the scheduling puts them there) keeps an event loop marked as
-    running in the main thread, and ``asyncio.run`` refuses to start beside one."""
-    import threading
-
-    result = {}
-
-    def target():
-        try:
-            result["value"] = asyncio.run(coro)
-        except BaseException as e:       # handed to the test's thread, as asyncio.run would raise it
-            result["error"] = e
-
-    thread = threading.Thread(target=target, name="test-event-loop")
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result.get("value")
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = dict(device="cpu", num_kvcache_blocks=256, block_size=16)

@@ -19,30 +19,11 @@ from course_pkg.engine import LLM
 from course_pkg.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestOutputKind
 from course_pkg.sampling_params import SamplingParams
 from course_pkg.serve import ServerThread, build_app
+from tests.helpers import run_in_fresh_loop
 
 CONFIG = dict(device="cpu", num_kvcache_blocks=256, block_size=16)
 NAME = "course-tiny"
 PROMPTS = ["The block manager", "A prefix cache hit", "Paged attention reads", "The scheduler admits"]
-
-
-def run_in_fresh_loop(coro):
-    """``asyncio.run`` in a thread of its own (see test_serve.run_in_fresh_loop)."""
-    import threading
-
-    result = {}
-
-    def target():
-        try:
-            result["value"] = asyncio.run(coro)
-        except BaseException as e:
-            result["error"] = e
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result.get("value")
 
 
 def pool_state(engine, live) -> tuple[int, int, bool]:   # runs in the engine's process
