@@ -15,11 +15,8 @@ plain Python that knows nothing of it.
 * ``Journal.adopt(obj)`` enrols an object: its class is swapped for a *watched* subclass (same
   name, same fields) whose ``__setattr__`` writes the object's before-image -- all its fields --
   to the journal at its first change in a transaction, then swaps the object to an unwatched
-  twin, so that its later changes in that transaction cost nothing. What changed in one
-  transaction will most likely change in the next (a running sequence, step after step): it
-  stays unwatched, and the next ``begin`` writes the before-images of all such objects at
-  once, copied in C; one that did not change in a transaction is watched again. Every list,
-  dict, set, deque or array it holds is swapped for a journaled copy whose
+  twin, so that its later changes in that transaction cost nothing (at the end it is watched
+  again). Every list, dict, set, deque or array it holds is swapped for a journaled copy whose
   mutating methods write how to reverse them first (``append`` -> "cut back to this length",
   ``d[k] = v`` -> "put the old value back", ``remove`` -> "put it back at its place"): the
   free queue's links or the prefix index are far too big to copy for each change. What an
@@ -55,8 +52,7 @@ import weakref
 from array import array
 from collections import deque
 from contextlib import contextmanager
-from itertools import chain, compress
-from operator import and_, attrgetter, eq, not_
+from operator import attrgetter
 from typing import Any
 
 _MISSING = object()
@@ -64,7 +60,6 @@ _MISSING = object()
 # same thing but costs four times as much, and a step swaps classes twice per changed object.
 _set_class = object.__dict__["__class__"].__set__
 _plain_setattr = object.__setattr__
-_get_dict = attrgetter("__dict__")
 _SCALARS = frozenset({int, float, bool, str, bytes, type(None), tuple, frozenset, complex})
 _SIGINT = int(signal.SIGINT)
 _open = threading.local()   # .journals: the journals recording on this thread (weakly held)
@@ -89,9 +84,7 @@ class Journal:
         self.follow = tuple(follow)
         self.recording = False
         self._log: list[tuple] = []
-        self._changed: list[Any] = []   # objects first changed in this transaction (see _save)
-        self._hot: dict[type, list] = {}   # unwatched between transactions (they changed in the last one), by class
-        self._images: list[tuple] = []     # this transaction's before-images of those, one record per class
+        self._saved: list[Any] = []   # objects whose before-image this transaction holds (see _save)
         self._classes: dict[type, type | None] = {}   # class -> its watched subclass (None: not followed)
 
     def __len__(self) -> int:
@@ -103,19 +96,11 @@ class Journal:
     # ------------------------------------------------------------ the transaction
 
     def begin(self) -> None:
-        """Start recording every change of the enrolled objects.
-
-        The objects the last transaction changed (the running sequences, mostly) will almost
-        surely change again: they stayed unwatched (``_settle``), and their before-images are
-        written here, in one go -- cheaper than catching each one's first change."""
+        """Start recording every change of the enrolled objects."""
         if self.recording:
             raise RuntimeError("this journal's transaction is open already")
         self._end()   # (what an interrupted commit or rollback left behind)
-        for cls, objs in self._hot.items():   # (a container assigned while they were unwatched is enrolled first)
-            _enrol_references_of(self, cls, objs)
-        self._images = [_before_images(cls, objs) for cls, objs in self._hot.items()]
-        self._log += self._images
-        self.recording = True   # (from here on every change of an enrolled object is recorded first)
+        self.recording = True
         _open_journals().add(self)
 
     def commit(self) -> None:
@@ -149,42 +134,37 @@ class Journal:
     def _end(self) -> None:
         """The clean-up after a commit or a rollback; every part of it may run again."""
         self._log.clear()
-        self._settle()
+        self._unsave(refresh=True)
         _open_journals().discard(self)
 
     # ------------------------------------------------------------ before-images
 
     def _save(self, obj: Any) -> None:
         """``obj``'s first change in this transaction: write its before-image (every field; the
-        containers it holds journal themselves), then let it change freely -- its class becomes
-        the unwatched twin, so later writes cost nothing."""
-        self._log.append(_before_image(obj))
-        self._changed.append(obj)
-        _set_class(obj, type(obj)._unwatched)
+        containers it holds journal themselves), then let it change freely until the
+        transaction ends -- its class becomes the unwatched twin, so later writes cost nothing."""
+        cls = type(obj)
+        self._log.append((_restore_object, obj, obj.__dict__.copy() if cls._has_dict else None,
+                          cls._get_slots(obj) if cls._slot_names else ()))
+        self._saved.append(obj)
+        _set_class(obj, cls._unwatched)
 
-    def _settle(self) -> None:
-        """After a transaction: the objects it changed stay unwatched (``_hot``: the next
-        ``begin`` writes their before-images); one that was unwatched but did not change -- its
-        before-image tells -- is watched again.
+    def _unsave(self, refresh: bool) -> None:
+        """Watch the saved objects again. After a commit (``refresh``), a container or object
+        assigned to one of their fields while unwatched is enrolled now.
 
-        Whether an object stays unwatched is a matter of speed only: one that is watched records
-        its next change itself. What matters is that every unwatched object is in ``_hot`` or
-        ``_changed`` at every line; so this may run twice (an interrupt, then the next ``begin``)."""
-        if self._images:
-            hot = {}
-            for (cls, objs), (_, _, fields, slots) in zip(self._hot.items(), self._images):
-                same = _unchanged_all(cls, objs, fields, slots)
-                for obj in compress(objs, same):
-                    _enrol_references(self, obj)   # (what was assigned to it while unwatched)
-                    _set_class(obj, cls._watched)
-                kept = list(compress(objs, map(not_, same)))
-                if kept:
-                    hot[cls] = kept
-        else:   # (no images: a begin cut short before it wrote them; all stay unwatched)
-            hot = {cls: list(objs) for cls, objs in self._hot.items()}
-        for obj in self._changed:
-            hot.setdefault(type(obj)._unwatched, []).append(obj)
-        self._hot, self._changed, self._images = hot, [], []
+        Every line may run twice (an interrupt, then the next ``begin``): watching an object
+        again, or enrolling what is enrolled already, changes nothing."""
+        saved = self._saved
+        for obj in saved:
+            cls = type(obj)
+            if refresh:
+                for name in cls._references:
+                    value = getattr(obj, name, None)
+                    if type(value) in _CONTAINERS:
+                        _plain_setattr(obj, name, _adopt(self, value))
+            _set_class(obj, cls._watched)
+        saved.clear()
 
     # ------------------------------------------------------------ enrolment
 
@@ -207,8 +187,6 @@ class Journal:
                       "__module__": cls.__module__, "_has_dict": cls.__dictoffset__ != 0,
                       "_slot_names": tuple(_slot_names(cls)), "_references": set()}
             shared["_get_slots"] = _slot_getter(shared["_slot_names"])
-            shared["_slot_values"] = _values_getter(shared["_slot_names"])
-            shared["_reference_values"] = _values_getter(())
             sub = type(cls.__name__, (cls,), {**shared, "__setattr__": _first_change})
             twin = type(cls.__name__, (cls,), shared)   # the same, unwatched: for a saved object
             for c in (sub, twin):
@@ -240,7 +218,7 @@ def _adopt(journal: Journal, obj: Any) -> Any:
             if adopted is not value:
                 object.__setattr__(obj, name, adopted)
             if adopted is not value or getattr(type(adopted), "_journal", None) is journal:
-                _note_reference(sub, name)   # a field that holds a container or an enrolled object
+                sub._references.add(name)   # a field that holds a container or an enrolled object
     return obj
 
 
@@ -260,17 +238,9 @@ def _first_change(self, name: str, value: Any) -> None:
     if type(value) not in _SCALARS:
         adopted = _adopt(journal, value)
         if adopted is not value or getattr(type(adopted), "_journal", None) is journal:
-            _note_reference(type(self), name)
+            type(self)._references.add(name)
         value = adopted
     _plain_setattr(self, name, value)
-
-
-def _values_getter(names: tuple[str, ...]):
-    """``obj -> (its value of each of names)``, in C (``attrgetter``); raises AttributeError
-    if one of them is not set."""
-    if len(names) > 1:
-        return attrgetter(*names)
-    return (lambda obj: (getattr(obj, names[0]),)) if names else (lambda obj: ())
 
 
 def _slot_getter(names: tuple[str, ...]):
@@ -278,7 +248,7 @@ def _slot_getter(names: tuple[str, ...]):
     C, while every slot is set (the usual case), else one ``getattr`` per slot."""
     if not names:
         return lambda obj: ()
-    get_set = _values_getter(names)
+    get_set = attrgetter(*names) if len(names) > 1 else (lambda obj: (getattr(obj, names[0]),))
 
     def get(obj):
         try:
@@ -294,80 +264,6 @@ def _restore_object(obj: Any, fields: dict | None, slots: tuple) -> None:
         obj.__dict__.update(fields)
     for name, value in zip(type(obj)._slot_names, slots):
         _restore_attribute(obj, name, value)
-
-
-def _restore_objects(objs: list, fields: list | None, slots: list | None) -> None:
-    for i, obj in enumerate(objs):
-        _restore_object(obj, None if fields is None else fields[i], () if slots is None else slots[i])
-
-
-def _before_images(cls: type, objs: list) -> tuple:
-    """The log record that puts the fields of ``objs`` (of class ``cls``) back as they are now,
-    copied in C: one ``dict.copy`` (or ``attrgetter``) per object, no Python call."""
-    fields = list(map(dict.copy, map(_get_dict, objs))) if cls._has_dict else None
-    slots = None
-    if cls._slot_names:
-        try:
-            slots = list(map(cls._slot_values, objs))
-        except AttributeError:   # (a slot not set)
-            slots = list(map(cls._get_slots, objs))
-    return (_restore_objects, objs, fields, slots)
-
-
-def _unchanged_all(cls: type, objs: list, fields: list | None, slots: list | None) -> list[bool]:
-    """``_unchanged`` for each of ``objs``, in C while no comparison raises."""
-    try:
-        same = list(map(eq, fields, map(_get_dict, objs))) if fields is not None else [True] * len(objs)
-        if slots is not None:
-            same = list(map(and_, same, map(eq, slots, map(cls._slot_values, objs))))
-        return same
-    except Exception:
-        return [_unchanged(obj, None if fields is None else fields[i], () if slots is None else slots[i])
-                for i, obj in enumerate(objs)]
-
-
-def _before_image(obj: Any) -> tuple:
-    """The log record that puts ``obj``'s fields back as they are now."""
-    cls = type(obj)
-    return (_restore_object, obj, obj.__dict__.copy() if cls._has_dict else None,
-            cls._get_slots(obj) if cls._slot_names else ())
-
-
-def _unchanged(obj: Any, fields: dict | None, slots: tuple) -> bool:
-    """Does ``obj`` hold what its before-image (``fields``, ``slots``) holds? (Compared with
-    ``==``, which is quick to say no; an answer only decides what stays unwatched, so a
-    comparison that fails -- a field holding a tensor -- counts as "changed".)"""
-    try:
-        return (fields is None or fields == obj.__dict__) and (not slots or slots == type(obj)._get_slots(obj))
-    except Exception:
-        return False
-
-
-def _note_reference(cls: type, name: str) -> None:
-    """Field ``name`` of ``cls``'s (enrolled) instances has held a container or enrolled object."""
-    if name not in cls._references:
-        cls._references.add(name)
-        cls._watched._reference_values = cls._unwatched._reference_values = _values_getter(tuple(cls._references))
-
-
-def _enrol_references_of(journal: Journal, cls: type, objs: list) -> None:
-    """Enrol the containers assigned to fields of ``objs`` (of class ``cls``) while they were
-    unwatched. The common case, none, is found in C: the types of the fields that hold references."""
-    try:
-        if _CONTAINER_TYPES.isdisjoint(map(type, chain.from_iterable(map(cls._reference_values, objs)))):
-            return
-    except AttributeError:   # (a field not set)
-        pass
-    for obj in objs:
-        _enrol_references(journal, obj)
-
-
-def _enrol_references(journal: Journal, obj: Any) -> None:
-    """Enrol a container assigned to a field of ``obj`` while it was unwatched."""
-    for name in type(obj)._references:
-        value = getattr(obj, name, None)
-        if type(value) in _CONTAINERS:
-            _plain_setattr(obj, name, _adopt(journal, value))
 
 
 def _reduce_as_plain(self, protocol):
@@ -817,7 +713,6 @@ _CONTAINERS = {
     deque: lambda journal, items: JournaledDeque(journal, items, items.maxlen),
     array: lambda journal, items: JournaledArray(journal, items),
 }
-_CONTAINER_TYPES = frozenset(_CONTAINERS)
 
 
 # ---------------------------------------------------------------- shared objects and one-off transactions

@@ -161,8 +161,7 @@ def test_a_sigint_at_each_of_the_last_lines_of_a_run_loses_no_output(counted):
 
 
 # The plumbing: the lines that open, commit, undo and finish a step and hand out its outputs.
-PLUMBING = {"begin", "commit", "rollback", "_end", "_settle", "_before_images", "_enrol_references_of",
-            "_unchanged_all", "_restore_objects", "_transaction", "transaction", "commit_step",
+PLUMBING = {"begin", "commit", "rollback", "_end", "_unsave", "_transaction", "transaction", "commit_step",
             "unschedule", "_forget_overwritten", "add_all", "abort", "_step", "_run_step",
             "_finish_interrupted_step", "_mark_ready", "_hand_out_ready", "_take_outbox", "begin_step",
             "end_step", "abort_step", "written_slots", "_exclusive", "__enter__", "__exit__"}
@@ -223,7 +222,7 @@ def test_a_sigint_at_every_line_of_the_commit_and_the_hand_out_loses_nothing():
     expected = serve(make_llm(CONFIGS["prefill_first-recompute"]))
     ids = [llm.add_request(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
     returned, interrupted, step = {}, 0, 0
-    names = {"commit", "_end", "_settle", "commit_step", "_hand_out_ready", "_take_outbox", "_mark_ready"}
+    names = {"commit", "_end", "commit_step", "_hand_out_ready", "_take_outbox", "_mark_ready"}
 
     def trace(frame, event, arg):
         if frame.f_code.co_name in names and frame.f_code.co_filename.startswith(TRACED):

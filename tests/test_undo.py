@@ -234,24 +234,31 @@ def test_a_transaction_broken_off_anywhere_leaves_the_manager_as_it_was(warm, op
 
 
 @settings(max_examples=100, deadline=None)
-@given(rounds=st.lists(st.tuples(OPS, st.integers(0, 25), st.booleans(), st.booleans()), min_size=2, max_size=6),
+@given(rounds=st.lists(st.tuples(OPS, st.integers(0, 25), st.booleans(), st.sampled_from(["", "between", "inside"])),
+                      min_size=2, max_size=6),
        queue=st.sampled_from(["deque", "linked"]))
 def test_transaction_after_transaction_each_undone_or_committed_exactly(rounds, queue):
-    """What a transaction changed stays unwatched for the next one, whose begin writes its
-    before-image (an engine's running sequences, step after step); what stopped changing is
-    watched again. Neither may let a change of a later transaction slip by: each of a run of
-    transactions, committed or broken off, is undone exactly -- also when, between two of
-    them, a held sequence was given a new plain list (enrolled when the next one begins)."""
+    """An engine runs transaction after transaction over the same objects: each of such a run,
+    committed or broken off, is undone exactly -- also when a held sequence was given new
+    plain lists, between two transactions or inside one (the journal must enrol them before
+    a later transaction changes them)."""
     bm = BlockManager(14, 2, free_queue=queue)
     seqs: list[Sequence] = []
-    for ops, fail_at, fails, new_lists in rounds:
-        if new_lists:   # outside any transaction: plain lists where journaled ones were
-            for seq in seqs:
-                seq.block_hashes = list(seq.block_hashes)
-                seq.token_ids = list(seq.token_ids)
+
+    def new_lists():   # plain lists where journaled ones were
+        for seq in seqs:
+            seq.num_preemptions = seq.num_preemptions   # (inside: a first change comes before them)
+            seq.block_hashes = list(seq.block_hashes)
+            seq.token_ids = list(seq.token_ids)
+
+    for ops, fail_at, fails, when in rounds:
+        if when == "between":
+            new_lists()
         before, known = full_state(bm, seqs), list(seqs)
         try:
             with transaction(bm, *seqs, follow=STEP_STATE):
+                if when == "inside":
+                    new_lists()
                 for k, op in enumerate(ops):
                     if fails and k == fail_at % len(ops):
                         raise Boom
@@ -260,6 +267,14 @@ def test_transaction_after_transaction_each_undone_or_committed_exactly(rounds, 
             assert full_state(bm, known) == before
             seqs = known
         check_invariants(bm, [s for s in seqs if s.block_table])
+    before = full_state(bm, seqs)   # last, every sequence's lists are changed in a transaction that fails
+    with pytest.raises(Boom):
+        with transaction(bm, *seqs, follow=STEP_STATE):
+            for seq in seqs:
+                seq.token_ids.append(0)
+                seq.block_hashes.append(0)
+            raise Boom
+    assert full_state(bm, seqs) == before
 
 
 class Tensorish:
@@ -274,12 +289,14 @@ class Tensorish:
 
 
 def test_a_field_whose_comparison_raises_is_undone_and_does_not_break_the_journal():
+    """The journal puts values back by identity: a value whose ``==`` raises (a tensor) in a
+    field of an enrolled object is undone like any other, transaction after transaction."""
     box = Box()
     box.value, box.items = Tensorish(), [1]
     first = box.value
     journal = Journal(follow=(Box,))
     journal.adopt(box)
-    for _ in range(3):   # committed: box changed, so it stays unwatched, then is compared
+    for _ in range(3):   # committed
         with transaction(box):
             box.value = Tensorish()
             box.items.append(2)
